@@ -1,0 +1,1 @@
+"""kvreel.codec: KV chunks as lossless video."""

@@ -1,0 +1,143 @@
+"""kvreel settings: ``KVREEL_*`` environment variables, overridable per engine
+through ``kv_connector_extra_config``.
+
+Every setting is validated at startup; a bad value raises ``ConfigError`` naming
+the variable and what it accepts, and an unknown ``KVREEL_*`` name (a typo)
+raises with the closest valid name, because a silently ignored setting is worse
+than a refused start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+PREFIX = "KVREEL_"
+
+
+class ConfigError(ValueError):
+    """A kvreel setting is missing, malformed or out of range."""
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB' -> 536870912; SI (KB, MB, GB, TB) and IEC (KiB…TiB) units."""
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str          # without the prefix, e.g. "CPU_BYTES"
+    parse: Callable[[str], Any]
+    default: Any
+    accepts: str       # human description of the accepted values
+    doc: str
+    check: Callable[[Any], bool] = lambda v: True
+
+
+def _bytes_setting(name, default, doc, minimum=0):
+    return Setting(name, parse_bytes, default,
+                   f"a size >= {format_bytes(minimum)} such as 512MiB, 8GiB or 1000000", doc,
+                   lambda v: v >= minimum)
+
+
+def _int_setting(name, default, doc, lo, hi):
+    return Setting(name, int, default, f"an integer in [{lo}, {hi}]", doc, lambda v: lo <= v <= hi)
+
+
+def _path_or_none(text: str) -> str | None:
+    return text or None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    _bytes_setting("CPU_BYTES", 4 * 1024**3,
+                   "Host-memory tier size per worker (pinned on CUDA). 0 disables the host tier."),
+    Setting("DISK_DIR", _path_or_none, None, "a writable directory path (unset: no disk tier)",
+            "Disk tier directory; chunks persist there across engine restarts."),
+    _bytes_setting("DISK_BYTES", 64 * 1024**3, "Disk tier capacity; least recently used chunks are deleted beyond it.",
+                   minimum=1024**2),
+    _int_setting("CHUNK_TOKENS", 256, "Offload granularity in tokens: a stored chunk holds at most this many "
+                 "tokens (a multiple of the engine's block size).", 16, 1 << 20),
+    _int_setting("DISK_WRITE_QUEUE", 64, "Chunks waiting for the background disk writer before new writes "
+                 "are dropped (never blocking the forward pass).", 1, 1 << 16),
+)
+SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class KVReelConfig:
+    cpu_bytes: int
+    disk_dir: str | None
+    disk_bytes: int
+    chunk_tokens: int
+    disk_write_queue: int
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> "KVReelConfig":
+        """Read ``KVREEL_*`` from ``env`` (default: os.environ), then apply
+        ``overrides`` (kv_connector_extra_config: ``cpu_bytes`` or ``KVREEL_CPU_BYTES``)."""
+        env = os.environ if env is None else env
+        raw: dict[str, tuple[str, str]] = {}  # setting name -> (source label, text)
+        for key, value in env.items():
+            if key.startswith(PREFIX):
+                raw[_known(key[len(PREFIX):], key)] = (key, value)
+        for key, value in (overrides or {}).items():
+            name = key[len(PREFIX):] if key.upper().startswith(PREFIX) else key.upper()
+            raw[_known(name, key)] = (f"kv_connector_extra_config[{key!r}]", str(value))
+        values = {}
+        for setting in SETTINGS:
+            if setting.name not in raw:
+                values[setting.name.lower()] = setting.default
+                continue
+            source, text = raw[setting.name]
+            try:
+                value = setting.parse(text)
+                ok = setting.check(value)
+            except (ValueError, TypeError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"{source}={text!r} is invalid: expected {setting.accepts}")
+            values[setting.name.lower()] = value
+        assert {f.name for f in fields(cls)} == set(values)
+        return cls(**values)
+
+
+def _known(name: str, shown: str) -> str:
+    if name in SETTINGS_BY_NAME:
+        return name
+    close = difflib.get_close_matches(name, SETTINGS_BY_NAME, n=1, cutoff=0.5)
+    hint = f"; did you mean {PREFIX}{close[0]}?" if close else ""
+    raise ConfigError(f"unknown kvreel setting {shown!r}{hint} "
+                      f"(valid: {', '.join(PREFIX + s for s in SETTINGS_BY_NAME)})")
+
+
+def settings_table_markdown() -> str:
+    """The env-var reference as a Markdown table (README and deploy/ embed it)."""
+    rows = ["| variable | default | accepts | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        default = "unset" if s.default is None else (
+            format_bytes(s.default) if s.parse is parse_bytes else str(s.default))
+        rows.append(f"| `{PREFIX}{s.name}` | {default} | {s.accepts} | {s.doc} |")
+    return "\n".join(rows)

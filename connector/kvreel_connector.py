@@ -1,0 +1,199 @@
+"""``KVReelConnector``: the class vLLM loads through
+``{"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector"}``.
+
+It only routes vLLM's hooks to the scheduler side (``scheduler_side``) or the
+worker side (``worker_side``), like vLLM's own connectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvreel.connector.block_copy import layout_of
+from kvreel.connector.config import KVReelConfig
+from kvreel.connector.metadata import DISK, HOST, KVReelMetadata
+from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvreel")
+
+
+def _share_vllm_log_handlers() -> None:
+    """kvreel's modules log to "kvreel.*" (no vLLM import needed); inside vLLM
+    those lines go wherever vLLM's own go, in its format."""
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.handlers and not logger.handlers:
+        for handler in vllm_logger.handlers:
+            logger.addHandler(handler)
+        logger.setLevel(vllm_logger.level or logging.INFO)
+        logger.propagate = False
+
+
+_share_vllm_log_handlers()
+
+FORMAT_VERSION = 1
+
+
+def model_identity(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """A short digest of everything that makes a stored page meaningful: the
+    model and its architecture, dtypes, page layout and parallel shape. Chunks
+    of another identity are never loaded."""
+    regions, block_bytes = layout_of(kv_cache_config)
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    fields = {
+        "format": FORMAT_VERSION,
+        "model": mc.model,
+        "revision": mc.revision,
+        "hf_config": hashlib.sha256(mc.hf_config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "dtype": str(mc.dtype),
+        "kv_cache_dtype": str(cc.cache_dtype),
+        "block_size": spec.block_size,
+        "layout": getattr(kv_cache_config, "kv_cache_layout", None),
+        "regions": regions,
+        "block_bytes": block_bytes,
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+        "hash": cc.prefix_caching_hash_algo,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+        return get_world_group().rank_in_group
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
+class KVReelConnector(KVConnectorBase_V1):
+    """Tiered, exact KV offload (host memory -> disk) keyed by vLLM's block hashes."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, not an error
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.cfg = KVReelConfig.load(overrides=extra)
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("kvreel keys chunks by vLLM's prefix-cache block hashes: "
+                             "start vLLM with prefix caching enabled (the default)")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"kvreel supports models with one KV cache group, this one has {len(groups)}")
+        block_size = groups[0].kv_cache_spec.block_size
+        if kv_cache_config.hash_block_size not in (None, block_size):
+            raise ValueError(f"kvreel needs hash_block_size == block_size ({kv_cache_config.hash_block_size} "
+                             f"!= {block_size})")
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A failed or damaged load must cost a recompute, never the request.
+            logger.info("kvreel: setting kv_load_failure_policy='recompute'")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self.identity = model_identity(vllm_config, kv_cache_config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvreel.connector.scheduler_side import KVReelScheduler
+            regions, block_bytes = layout_of(kv_cache_config)
+            self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes)
+        else:
+            from kvreel.connector.worker_side import KVReelWorker
+            self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank())
+
+    # ---------------- worker side ----------------
+    def register_kv_caches(self, kv_caches):
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVReelMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (host) or before the request is released (disk)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # whole pages of all layers are copied once, in wait_for_save
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVReelMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._worker.take_worker_meta() if self._worker else None
+
+    def get_kv_connector_stats(self):
+        side = self._worker or self._scheduler
+        return side.take_stats() if side is not None else None
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---------------- scheduler side ----------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        if num_external_tokens == 0:
+            return {}
+        load = next((op for op in reversed(self._scheduler._loads) if op.req_id == request.request_id), None)
+        if load is None:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        bs = self._scheduler.block_size
+        out: dict = {}
+        for piece in load.pieces:
+            src = CacheHitSource.HOST if piece.tier == HOST else CacheHitSource.DISK
+            out[src] = out.get(src, 0) + len(piece.block_ids) * bs
+        return out
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset() if self._scheduler else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVReelStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVReelPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+__all__ = ["KVReelConnector", "model_identity", "DISK", "HOST"]

@@ -1,0 +1,70 @@
+"""Messages between the scheduler-side and worker-side halves of the connector.
+
+The scheduler side owns every decision (what is stored where, what is evicted,
+what is loaded into which blocks); the worker side only moves bytes and reports
+what went wrong, so both halves agree even when they live in different
+processes (vLLM runs workers in their own processes, also on one CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+HOST = "host"
+DISK = "disk"
+
+
+@dataclass
+class StoreOp:
+    """Copy ``block_ids`` out of the paged cache as chunk ``key``."""
+    key: bytes
+    block_hashes: list[bytes]
+    block_ids: list[int]
+    to_host: bool
+    to_disk: bool
+
+
+@dataclass
+class LoadPiece:
+    """Rows ``[first, first + len(block_ids))`` of chunk ``key`` go into ``block_ids``."""
+    key: bytes
+    tier: str
+    first: int
+    block_ids: list[int]
+    promote_to_host: bool = False
+
+
+@dataclass
+class LoadOp:
+    req_id: str
+    pieces: list[LoadPiece]
+    is_async: bool
+
+
+@dataclass
+class KVReelMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+    evict_host: list[bytes] = field(default_factory=list)
+    evict_disk: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class KVReelWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: chunks that must be forgotten, tiers that broke."""
+    bad_keys: set[bytes] = field(default_factory=set)          # failed verification
+    failed_disk_keys: set[bytes] = field(default_factory=set)  # write did not land
+    disk_disabled: str | None = None
+
+    def aggregate(self, other: "KVReelWorkerMeta") -> "KVReelWorkerMeta":
+        return KVReelWorkerMeta(self.bad_keys | other.bad_keys,
+                                self.failed_disk_keys | other.failed_disk_keys,
+                                self.disk_disabled or other.disk_disabled)
+
+    def is_empty(self) -> bool:
+        return not (self.bad_keys or self.failed_disk_keys or self.disk_disabled)

@@ -1,0 +1,354 @@
+"""Scheduler side of the connector: the index of every stored chunk, the tier
+budgets and their LRU eviction, prefix lookups, and the per-step plan of saves
+and loads sent to the workers.
+
+A *chunk* is a run of consecutive full blocks of one prefix, at most
+``KVREEL_CHUNK_TOKENS`` long and never crossing a chunk boundary, keyed by the
+hash of its last block. Block keys are vLLM's own chained prefix-cache block
+hashes (sha256 by default, stable across processes), so a chunk's key names the
+whole prefix up to it. Every block maps to (chunk, row), so any prefix of a
+held chunk is reusable: reuse is at block granularity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvreel.connector.config import KVReelConfig, format_bytes
+from kvreel.connector.disk_tier import ChunkFileError, scan_chunk_headers
+from kvreel.connector.metadata import (
+    DISK,
+    HOST,
+    KVReelMetadata,
+    KVReelWorkerMeta,
+    LoadOp,
+    LoadPiece,
+    StoreOp,
+)
+from kvreel.connector.stats import KVReelStats
+
+logger = logging.getLogger("kvreel.scheduler")
+
+
+class Chunk:
+    __slots__ = ("key", "block_hashes", "nbytes", "in_host", "in_disk", "pins")
+
+    def __init__(self, key: bytes, block_hashes: list[bytes], nbytes: int):
+        self.key = key
+        self.block_hashes = block_hashes
+        self.nbytes = nbytes
+        self.in_host = False
+        self.in_disk = False
+        self.pins = 0
+
+
+class TierBudget:
+    """Byte budget with LRU order for one tier."""
+
+    def __init__(self, name: str, capacity: int):
+        self.name = name
+        self.capacity = capacity
+        self.used = 0
+        self.lru: OrderedDict[bytes, Chunk] = OrderedDict()
+
+    def touch(self, chunk: Chunk) -> None:
+        if chunk.key in self.lru:
+            self.lru.move_to_end(chunk.key)
+
+    def victims_for(self, nbytes: int) -> list[Chunk] | None:
+        """Unpinned least-recently-used chunks whose removal frees ``nbytes``; None if impossible."""
+        if nbytes > self.capacity:
+            return None
+        need = self.used + nbytes - self.capacity
+        out = []
+        for chunk in self.lru.values():
+            if need <= 0:
+                break
+            if chunk.pins == 0:
+                out.append(chunk)
+                need -= chunk.nbytes
+        return out if need <= 0 else None
+
+    def add(self, chunk: Chunk) -> None:
+        self.lru[chunk.key] = chunk
+        self.used += chunk.nbytes
+
+    def remove(self, chunk: Chunk) -> None:
+        if self.lru.pop(chunk.key, None) is not None:
+            self.used -= chunk.nbytes
+
+
+@dataclass
+class RequestState:
+    request: object
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0          # blocks below this are stored (or were skipped)
+    counted_lookup: bool = False
+
+
+class KVReelScheduler:
+    def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int):
+        if cfg.chunk_tokens % block_size:
+            raise ValueError(f"KVREEL_CHUNK_TOKENS={cfg.chunk_tokens} must be a multiple of the engine's "
+                             f"block size ({block_size})")
+        self.cfg = cfg
+        self.identity = identity
+        self.block_size = block_size
+        self.chunk_blocks = cfg.chunk_tokens // block_size
+        self.bytes_per_block = bytes_per_block
+        self.index: dict[bytes, tuple[Chunk, int]] = {}
+        self.host = TierBudget(HOST, cfg.cpu_bytes)
+        self.disk = TierBudget(DISK, cfg.disk_bytes) if cfg.disk_dir else None
+        self.reqs: dict[str, RequestState] = {}
+        self.stats = KVReelStats()
+        self._planned: dict[str, tuple[int, int]] = {}
+        self._loads: list[LoadOp] = []
+        self._stores: dict[bytes, StoreOp] = {}
+        self._evict_host: list[bytes] = []
+        self._evict_disk: list[bytes] = []
+        self._sync_pins: list[Chunk] = []
+        self._async_pins: dict[str, list[Chunk]] = {}
+        self._promotions: dict[str, list[Chunk]] = {}
+        if self.disk is not None:
+            self._adopt_disk_chunks()
+        logger.info("kvreel: host tier %s, disk tier %s, chunk %d tokens, %s per block",
+                    format_bytes(cfg.cpu_bytes),
+                    f"{cfg.disk_dir} ({format_bytes(cfg.disk_bytes)}, {len(self.disk.lru)} chunks found)"
+                    if self.disk else "off", cfg.chunk_tokens, format_bytes(bytes_per_block))
+
+    # -- startup -------------------------------------------------------------
+    def _adopt_disk_chunks(self) -> None:
+        found = []
+        for key, header in scan_chunk_headers(self.cfg.disk_dir, self.identity):
+            if isinstance(header, ChunkFileError):
+                self.stats.add("corrupt_chunks", label=DISK)
+                logger.warning("kvreel: ignoring unusable chunk file: %s", header)
+                continue
+            if header.shape[1] != len(header.block_hashes) or header.payload_bytes != \
+                    len(header.block_hashes) * self.bytes_per_block:
+                self.stats.add("corrupt_chunks", label=DISK)
+                logger.warning("kvreel: ignoring chunk %s: its shape %s does not match this engine's layout",
+                               key.hex()[:16], header.shape)
+                continue
+            path = os.path.join(self.cfg.disk_dir, self.identity, "rank0", key.hex()[:2], key.hex() + ".kvr")
+            found.append((os.path.getmtime(path), key, header))
+        for _, key, header in sorted(found):
+            chunk = Chunk(key, list(header.block_hashes), header.payload_bytes)
+            if not self._admit(chunk, self.disk):
+                continue
+            chunk.in_disk = True
+            self._index(chunk)
+
+    # -- lookup --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self.reqs.setdefault(request.request_id, RequestState(request))
+        st.request = request
+        hashes = request.block_hashes
+        limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        n = 0
+        while n < limit and hashes[n] in self.index:
+            n += 1
+        start = num_computed_tokens // self.block_size
+        if not st.counted_lookup and limit > max(n, start):
+            st.counted_lookup = True
+            self.stats.add("lookup_miss_blocks", limit - max(n, start))
+        if n <= start:
+            return 0, False
+        self._planned[request.request_id] = (start, n)
+        needs_disk = any(not self.index[hashes[i]][0].in_host for i in range(start, n))
+        return (n - start) * self.block_size, needs_disk
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        st = self.reqs.setdefault(request.request_id, RequestState(request))
+        plan = self._planned.pop(request.request_id, None)
+        if num_external_tokens == 0 or plan is None:
+            return
+        start = plan[0]
+        end = start + num_external_tokens // self.block_size
+        pieces: list[LoadPiece] = []
+        chunks: list[Chunk] = []
+        for i in range(start, end):
+            chunk, row = self.index[request.block_hashes[i]]
+            tier = HOST if chunk.in_host else DISK
+            last = pieces[-1] if pieces else None
+            if last and last.key == chunk.key and last.first + len(last.block_ids) == row:
+                last.block_ids.append(block_ids[i])
+                continue
+            pieces.append(LoadPiece(chunk.key, tier, row, [block_ids[i]]))
+            if chunk not in chunks:
+                chunks.append(chunk)
+                chunk.pins += 1
+                self.host.touch(chunk)
+                if self.disk:
+                    self.disk.touch(chunk)
+        for p in pieces:
+            self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
+        is_async = any(p.tier == DISK for p in pieces)
+        if is_async:
+            self._async_pins[request.request_id] = chunks
+            promoted = []
+            for chunk in chunks:
+                if not chunk.in_host and chunk not in promoted and self._admit(chunk, self.host):
+                    promoted.append(chunk)
+            for p in pieces:
+                p.promote_to_host = any(c.key == p.key for c in promoted)
+            self._promotions[request.request_id] = promoted
+        else:
+            self._sync_pins += chunks
+        st.saved_upto = max(st.saved_upto, end)
+        self._loads.append(LoadOp(request.request_id, pieces, is_async))
+
+    # -- saves ---------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> KVReelMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan_saves(st, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids += new_ids[0]
+            self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        meta = KVReelMetadata(self._loads, list(self._stores.values()), self._evict_host, self._evict_disk)
+        for chunk in self._sync_pins:
+            chunk.pins -= 1
+        self._loads, self._stores, self._evict_host, self._evict_disk = [], {}, [], []
+        self._sync_pins = []
+        return meta
+
+    def _plan_saves(self, st: RequestState, computed_after: int) -> None:
+        """Store the request's full blocks computed by the end of this step.
+
+        Every full block is stored in the step that computes it (prompt and
+        generated tokens alike), grouped into chunks that never cross a chunk
+        boundary. Storing at once means vLLM never has to keep a finished
+        request's blocks alive for a late save, so kvreel does not change
+        vLLM's scheduling."""
+        hashes = st.request.block_hashes
+        full = min(computed_after // self.block_size, len(hashes), len(st.block_ids))
+        i = st.saved_upto
+        while i < full:
+            if hashes[i] in self.index:
+                i += 1
+                continue
+            j = i
+            boundary = (i // self.chunk_blocks + 1) * self.chunk_blocks
+            while j < min(full, boundary) and hashes[j] not in self.index:
+                j += 1
+            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j])
+            i = j
+        st.saved_upto = max(st.saved_upto, full)
+
+    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
+        chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
+        chunk.in_host = self.cfg.cpu_bytes > 0 and self._admit(chunk, self.host)
+        chunk.in_disk = self.disk is not None and self._admit(chunk, self.disk)
+        if not (chunk.in_host or chunk.in_disk):
+            return
+        self._index(chunk)
+        self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, chunk.in_host, chunk.in_disk)
+        self.stats.add("saved_bytes", chunk.nbytes * chunk.in_host, HOST)
+        self.stats.add("saved_bytes", chunk.nbytes * chunk.in_disk, DISK)
+
+    # -- tiers ---------------------------------------------------------------
+    def _index(self, chunk: Chunk) -> None:
+        for row, h in enumerate(chunk.block_hashes):
+            self.index[h] = (chunk, row)
+
+    def _admit(self, chunk: Chunk, tier: TierBudget) -> bool:
+        victims = tier.victims_for(chunk.nbytes)
+        if victims is None:
+            return False
+        for victim in victims:
+            self._evict(victim, tier)
+        tier.add(chunk)
+        return True
+
+    def _evict(self, chunk: Chunk, tier: TierBudget) -> None:
+        tier.remove(chunk)
+        pending = self._stores.get(chunk.key)
+        if tier is self.host:
+            chunk.in_host = False
+            if pending is not None:
+                pending.to_host = False
+            else:
+                self._evict_host.append(chunk.key)
+        else:
+            chunk.in_disk = False
+            if pending is not None:
+                pending.to_disk = False
+            else:
+                self._evict_disk.append(chunk.key)
+        self.stats.add("evicted_chunks", label=tier.name)
+        if not (chunk.in_host or chunk.in_disk):
+            self._forget(chunk)
+
+    def _forget(self, chunk: Chunk) -> None:
+        for h in chunk.block_hashes:
+            if self.index.get(h, (None,))[0] is chunk:
+                del self.index[h]
+        if (op := self._stores.get(chunk.key)) is not None and not (op.to_host or op.to_disk):
+            del self._stores[chunk.key]
+
+    def _drop(self, key: bytes) -> None:
+        """Forget a chunk everywhere (it failed verification)."""
+        entry = self.index.get(key)
+        if entry is None or entry[0].key != key:
+            return
+        chunk = entry[0]
+        for tier in (self.host, self.disk):
+            if tier is not None and chunk.key in tier.lru:
+                self._evict(chunk, tier)
+
+    # -- feedback from the workers -------------------------------------------
+    def update_connector_output(self, output) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVReelWorkerMeta):
+            if meta.disk_disabled and self.disk is not None:
+                logger.error("kvreel: disk tier disabled by a worker: %s", meta.disk_disabled)
+                for chunk in list(self.disk.lru.values()):
+                    chunk.in_disk = False
+                    if not chunk.in_host:
+                        self._forget(chunk)
+                self.disk = None
+            for key in meta.failed_disk_keys:
+                self.stats.add("disk_write_failures")
+                entry = self.index.get(key)
+                if entry and self.disk is not None and entry[0].in_disk:
+                    self.disk.remove(entry[0])
+                    entry[0].in_disk = False
+                    if not entry[0].in_host:
+                        self._forget(entry[0])
+            for key in meta.bad_keys:
+                self._drop(key)
+        for req_id in output.finished_recving or ():
+            for chunk in self._async_pins.pop(req_id, ()):
+                chunk.pins -= 1
+            for chunk in self._promotions.pop(req_id, ()):
+                if chunk.key in self.host.lru and self.index.get(chunk.key, (None,))[0] is chunk:
+                    chunk.in_host = True
+
+    def request_finished(self, request) -> None:
+        self.reqs.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
+
+    def reset(self) -> bool:
+        """Forget every unpinned chunk in every tier (``reset_prefix_cache(reset_connector=True)``)."""
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                for chunk in [c for c in tier.lru.values() if c.pins == 0]:
+                    self._evict(chunk, tier)
+        return True
+
+    def take_stats(self) -> KVReelStats | None:
+        return self.stats.take()

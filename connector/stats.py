@@ -1,0 +1,77 @@
+"""Connector statistics: counters that travel worker -> scheduler -> logger and
+are exported to Prometheus through vLLM's connector metrics hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# counter name -> (Prometheus name, help, label names)
+COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "lookup_hit_blocks": ("kvreel:lookup_hit_blocks_total", "Blocks found by prefix lookups, by tier", ("tier",)),
+    "lookup_miss_blocks": ("kvreel:lookup_miss_blocks_total", "Prompt blocks not held in any tier", ()),
+    "loaded_bytes": ("kvreel:loaded_bytes_total", "Bytes restored into the paged KV cache, by tier", ("tier",)),
+    "saved_bytes": ("kvreel:saved_bytes_total", "Bytes saved into a tier", ("tier",)),
+    "load_seconds": ("kvreel:load_seconds_total", "Time spent restoring chunks, by tier", ("tier",)),
+    "load_count": ("kvreel:loads_total", "Chunk pieces restored, by tier", ("tier",)),
+    "save_seconds": ("kvreel:save_seconds_total", "Time spent copying blocks out of the paged cache", ()),
+    "save_count": ("kvreel:saves_total", "Chunks copied out of the paged cache", ()),
+    "evicted_chunks": ("kvreel:evicted_chunks_total", "Chunks evicted, by tier", ("tier",)),
+    "corrupt_chunks": ("kvreel:corrupt_chunks_total", "Damaged, truncated or foreign chunks rejected", ("tier",)),
+    "load_errors": ("kvreel:load_error_blocks_total", "Blocks reported to vLLM as failed loads (recomputed)", ()),
+    "disk_write_failures": ("kvreel:disk_write_failures_total", "Chunk writes that did not reach the disk", ()),
+}
+
+
+@dataclass
+class KVReelStats(KVConnectorStats):
+    """``data`` maps "name" or "name|label" to a summed number."""
+
+    def reset(self):
+        self.data = {}
+
+    def add(self, name: str, value: float = 1, label: str | None = None) -> None:
+        assert name in COUNTERS, name
+        key = f"{name}|{label}" if label else name
+        self.data[key] = self.data.get(key, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> "KVReelStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def take(self) -> "KVReelStats | None":
+        """Hand over the counts collected so far and start afresh."""
+        if not self.data:
+            return None
+        out = KVReelStats(data=self.data)
+        self.data = {}
+        return out
+
+
+class KVReelPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=prom, documentation=doc, labelnames=self._labelnames + list(labels))
+            for name, (prom, doc, labels) in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        base = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for key, value in transfer_stats_data.items():
+            name, _, label = key.partition("|")
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*base, *([label] if label else [])).inc(value)

@@ -1,0 +1,151 @@
+"""Worker side of the connector: moves pages between vLLM's paged cache, the
+host tier (a dict of chunk tensors) and the disk tier, exactly as the
+scheduler side planned, and reports what failed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvreel.connector.block_copy import PagedRegions
+from kvreel.connector.config import KVReelConfig
+from kvreel.connector.disk_tier import ChunkFileError, DiskTier
+from kvreel.connector.metadata import DISK, HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
+from kvreel.connector.stats import KVReelStats
+
+logger = logging.getLogger("kvreel.worker")
+
+
+class KVReelWorker:
+    def __init__(self, cfg: KVReelConfig, identity: str, rank: int):
+        self.cfg = cfg
+        self.identity = identity
+        self.rank = rank
+        self.pages: PagedRegions | None = None
+        self.host: dict[bytes, torch.Tensor] = {}
+        self.disk: DiskTier | None = None
+        self._disk_disabled: str | None = None
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreel-load")
+        self._async: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._load_errors: set[int] = set()
+        self._bad_keys: set[bytes] = set()
+        self._reported_bad: set[bytes] = set()
+        self.stats = KVReelStats()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config) -> None:
+        self.pages = PagedRegions(kv_caches, kv_cache_config)
+        if self.cfg.disk_dir:
+            self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
+                                 on_error=self._on_disk_error)
+
+    def _on_disk_error(self, msg: str) -> None:
+        self._disk_disabled = msg
+
+    # -- loads ---------------------------------------------------------------
+    def start_load_kv(self, meta: KVReelMetadata) -> None:
+        for key in meta.evict_host:
+            self.host.pop(key, None)
+        if self.disk is not None:
+            for key in meta.evict_disk:
+                self.disk.submit_delete(key)
+        for op in meta.loads:
+            if op.is_async:
+                self._async[op.req_id] = self._loader.submit(self._load, op)
+            else:
+                self._load(op)
+
+    def _load(self, op: LoadOp) -> None:
+        assert self.pages is not None
+        for piece in op.pieces:
+            t0 = time.perf_counter()
+            try:
+                if piece.tier == HOST:
+                    data = self.host.get(piece.key)
+                    if data is None:
+                        raise ChunkFileError("chunk is no longer in the host tier")
+                else:
+                    if self.disk is None:
+                        raise ChunkFileError("disk tier is disabled")
+                    data = self.disk.read(piece.key)
+                rows = slice(piece.first, piece.first + len(piece.block_ids))
+                if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
+                        data.shape[2] != self.pages.block_bytes or data.shape[1] < rows.stop:
+                    raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
+                self.pages.scatter(data, piece.block_ids, rows)
+                if piece.promote_to_host:
+                    self.host[piece.key] = data
+            except ChunkFileError as e:
+                with self._lock:
+                    self._load_errors.update(piece.block_ids)
+                    self._bad_keys.add(piece.key)
+                    self.stats.add("corrupt_chunks", label=piece.tier)
+                    self.stats.add("load_errors", len(piece.block_ids))
+                    first_report = piece.key not in self._reported_bad
+                    self._reported_bad.add(piece.key)
+                if first_report:
+                    logger.warning("kvreel: rejected %s chunk %s (%s); its %d blocks will be recomputed",
+                                   piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
+                continue
+            with self._lock:
+                nbytes = len(piece.block_ids) * self.pages.bytes_per_block
+                self.stats.add("loaded_bytes", nbytes, piece.tier)
+                self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
+                self.stats.add("load_count", 1, piece.tier)
+
+    # -- saves ---------------------------------------------------------------
+    def wait_for_save(self, meta: KVReelMetadata) -> None:
+        assert self.pages is not None
+        for op in meta.stores:
+            if not (op.to_host or op.to_disk):
+                continue
+            t0 = time.perf_counter()
+            data = self.pages.gather(op.block_ids)
+            if op.to_host:
+                self.host[op.key] = data
+            if op.to_disk and self.disk is not None:
+                self.disk.submit_write(op.key, op.block_hashes, data)
+            with self._lock:
+                self.stats.add("save_seconds", time.perf_counter() - t0)
+                self.stats.add("save_count")
+
+    # -- reporting -------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = {rid for rid, fut in self._async.items() if fut.done()}
+        for rid in done:
+            self._async.pop(rid).result()  # re-raise bugs, never swallow them
+        return None, done or None
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KVReelWorkerMeta | None:
+        with self._lock:
+            bad, self._bad_keys = self._bad_keys, set()
+        failed: set[bytes] = set()
+        if self.disk is not None:
+            failed = set(self.disk.failed_keys)
+            self.disk.failed_keys.clear()
+        meta = KVReelWorkerMeta(bad, failed, self._disk_disabled)
+        if self._disk_disabled:
+            self.disk = None
+            self._disk_disabled = None
+        return None if meta.is_empty() else meta
+
+    def take_stats(self) -> KVReelStats | None:
+        with self._lock:
+            return self.stats.take()
+
+    def shutdown(self) -> None:
+        for fut in list(self._async.values()):
+            fut.result(timeout=60)
+        self._loader.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()

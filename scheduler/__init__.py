@@ -1,0 +1,1 @@
+"""kvreel.scheduler: fetch control for remote KV."""

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if not has_cuda():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama with GQA, built locally (no model hub needed)."""
+    from kvreel.connector.tiny_model import build_tiny_llama
+    cache = os.environ.get("KVREEL_TEST_MODEL_CACHE")  # lets local reruns skip the build
+    out = Path(cache) if cache else tmp_path_factory.mktemp("tiny-llama")
+    return str(build_tiny_llama(out))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def run_scenario(args: dict, timeout: int = 600) -> dict:
+    """Run tests/vllm_scenarios.py in a fresh interpreter and return its JSON."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "out.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), "scenario", json.dumps(args),
+                               str(out)], env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            raise AssertionError(f"scenario failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        result = json.loads(out.read_text())
+        result["log"] = proc.stdout + proc.stderr
+        return result

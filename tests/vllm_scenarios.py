@@ -1,0 +1,101 @@
+"""Engine scenarios for the exactness tests, run in a fresh process each:
+``python tests/vllm_scenarios.py NAME ARGS_JSON OUT_JSON``.
+
+vLLM spawns its engine and worker processes; running every scenario in its own
+interpreter keeps pytest's process free of engine state and memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
+
+def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
+             max_num_seqs: int = 16, max_model_len: int = 4096):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    kw = {}
+    if kvreel is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=kvreel)
+    if num_blocks:
+        kw["num_gpu_blocks_override"] = num_blocks
+        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+    return LLM(model, enforce_eager=True, block_size=block_size, max_model_len=max_model_len,
+               gpu_memory_utilization=0.05, max_num_seqs=max_num_seqs, seed=0,
+               disable_log_stats=False, **kw)
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    time.sleep(1)
+
+
+def run(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append({
+            "token_ids": list(c.token_ids),
+            # float.hex: bit-exact comparison survives JSON
+            "logprobs": [sorted((tid, lp.logprob.hex()) for tid, lp in step.items()) for step in c.logprobs],
+            "num_cached_tokens": o.num_cached_tokens,
+        })
+    return res
+
+
+def kvreel_metrics(llm) -> dict:
+    """Counters of kvreel from vLLM's Prometheus registry (what /metrics serves)."""
+    from prometheus_client import REGISTRY
+    out: dict = {}
+    for metric in REGISTRY.collect():
+        if metric.name.startswith("kvreel:") or metric.name == "vllm:num_preemptions":
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    label = s.labels.get("tier", "")
+                    out[f"{s.name}|{label}" if label else s.name] = s.value
+    return out
+
+
+def scenario(args: dict) -> dict:
+    """Run ``phases`` on one engine; each phase: prompts, optional reset/restart."""
+    model = args["model"]
+    kvreel = args.get("kvreel")
+    out = {"phases": []}
+    llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
+                   max_num_seqs=args.get("max_num_seqs", 16))
+    for phase in args["phases"]:
+        action = phase.get("before")
+        if action == "reset_prefix_cache":
+            assert llm.reset_prefix_cache()
+        elif action == "restart":
+            close(llm)
+            llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
+                           max_num_seqs=args.get("max_num_seqs", 16))
+        elif action and action.startswith("shell:"):
+            import subprocess
+            subprocess.run(action[len("shell:"):], shell=True, check=True)
+        out["phases"].append(run(llm, phase["prompts"], phase.get("max_tokens", 8)))
+    out["metrics"] = kvreel_metrics(llm)
+    close(llm)
+    return out
+
+
+if __name__ == "__main__":
+    name, args_json, out_path = sys.argv[1:4]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = {"scenario": scenario}[name](json.loads(args_json))
+    with open(out_path, "w") as f:
+        json.dump(result, f)
