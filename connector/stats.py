@@ -13,18 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 # counter name -> (Prometheus name, help, label names)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "lookup_hit_blocks": ("kvreel:lookup_hit_blocks_total", "Blocks found by prefix lookups, by tier", ("tier",)),
-    "lookup_miss_blocks": ("kvreel:lookup_miss_blocks_total", "Prompt blocks not held in any tier", ()),
-    "loaded_bytes": ("kvreel:loaded_bytes_total", "Bytes restored into the paged KV cache, by tier", ("tier",)),
-    "saved_bytes": ("kvreel:saved_bytes_total", "Bytes saved into a tier", ("tier",)),
-    "load_seconds": ("kvreel:load_seconds_total", "Time spent restoring chunks, by tier", ("tier",)),
-    "load_count": ("kvreel:loads_total", "Chunk pieces restored, by tier", ("tier",)),
-    "save_seconds": ("kvreel:save_seconds_total", "Time spent copying blocks out of the paged cache", ()),
-    "save_count": ("kvreel:saves_total", "Chunks copied out of the paged cache", ()),
-    "evicted_chunks": ("kvreel:evicted_chunks_total", "Chunks evicted, by tier", ("tier",)),
-    "corrupt_chunks": ("kvreel:corrupt_chunks_total", "Damaged, truncated or foreign chunks rejected", ("tier",)),
-    "load_errors": ("kvreel:load_error_blocks_total", "Blocks reported to vLLM as failed loads (recomputed)", ()),
-    "disk_write_failures": ("kvreel:disk_write_failures_total", "Chunk writes that did not reach the disk", ()),
+    "lookup_hit_blocks": ("vllm:kvreel_lookup_hit_blocks_total", "Blocks found by prefix lookups, by tier", ("tier",)),
+    "lookup_miss_blocks": ("vllm:kvreel_lookup_miss_blocks_total", "Prompt blocks not held in any tier", ()),
+    "loaded_bytes": ("vllm:kvreel_loaded_bytes_total", "Bytes restored into the paged KV cache, by tier", ("tier",)),
+    "saved_bytes": ("vllm:kvreel_saved_bytes_total", "Bytes saved into a tier", ("tier",)),
+    "load_seconds": ("vllm:kvreel_load_seconds_total", "Time spent restoring chunks, by tier", ("tier",)),
+    "load_count": ("vllm:kvreel_loads_total", "Chunk pieces restored, by tier", ("tier",)),
+    "save_seconds": ("vllm:kvreel_save_seconds_total", "Time spent copying blocks out of the paged cache", ()),
+    "save_count": ("vllm:kvreel_saves_total", "Chunks copied out of the paged cache", ()),
+    "evicted_chunks": ("vllm:kvreel_evicted_chunks_total", "Chunks evicted, by tier", ("tier",)),
+    "corrupt_chunks": ("vllm:kvreel_corrupt_chunks_total", "Damaged, truncated or foreign chunks rejected", ("tier",)),
+    "load_errors": ("vllm:kvreel_load_error_blocks_total", "Blocks reported to vLLM as failed loads (recomputed)", ()),
+    "disk_write_failures": ("vllm:kvreel_disk_write_failures_total", "Chunk writes that did not reach the disk", ()),
 }
 
 

@@ -42,8 +42,8 @@ def test_reuse_after_prefix_cache_reset_is_exact(tiny_model):
     cached = [r["num_cached_tokens"] for r in reel["phases"][2]]
     assert cached == [576, 96, 0, 192]    # every full block below the last token
     m = reel["metrics"]
-    assert m["kvreel:lookup_hit_blocks_total|host"] >= 18 + 3
-    assert m["kvreel:loaded_bytes_total|host"] > 0 and m["kvreel:saved_bytes_total|host"] > 0
+    assert m["vllm:kvreel_lookup_hit_blocks_total|host"] >= 18 + 3
+    assert m["vllm:kvreel_loaded_bytes_total|host"] > 0 and m["vllm:kvreel_saved_bytes_total|host"] > 0
 
 
 def test_reuse_after_eviction_from_tiny_kv_space(tiny_model):
@@ -68,7 +68,7 @@ def test_reuse_from_disk_after_engine_restart(tiny_model, tmp_path):
     again = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P_LONG, P_SHORT]}]})
     for b, r in zip(base["phases"][1], again["phases"][0]):
         assert_same(b, r)
-    assert again["metrics"]["kvreel:lookup_hit_blocks_total|disk"] == 18 + 3
+    assert again["metrics"]["vllm:kvreel_lookup_hit_blocks_total|disk"] == 18 + 3
     assert "4 chunks found" in again["log"]
     assert reel["phases"][0][0]["num_cached_tokens"] == 0
 
@@ -88,7 +88,7 @@ def test_preemption_under_memory_pressure(tiny_model):
     base = run_scenario({"model": tiny_model, **args})
     reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "256MiB"}, **args})
     assert reel["metrics"]["vllm:num_preemptions_total"] > 0
-    assert reel["metrics"]["kvreel:lookup_hit_blocks_total|host"] > 0   # resumed from kvreel
+    assert reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|host"] > 0   # resumed from kvreel
     exact = 0
     for b, r in zip(base["phases"][0], reel["phases"][0]):
         assert b["token_ids"] == r["token_ids"]

@@ -61,7 +61,7 @@ def kvreel_metrics(llm) -> dict:
     from prometheus_client import REGISTRY
     out: dict = {}
     for metric in REGISTRY.collect():
-        if metric.name.startswith("kvreel:") or metric.name == "vllm:num_preemptions":
+        if metric.name.startswith("vllm:kvreel_") or metric.name == "vllm:num_preemptions":
             for s in metric.samples:
                 if s.name.endswith("_total"):
                     label = s.labels.get("tier", "")

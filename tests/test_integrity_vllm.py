@@ -1,0 +1,96 @@
+"""Damaged chunks and broken disks inside a real vLLM engine: never a wrong
+token, always a recompute, counted and logged."""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+
+import pytest
+
+from conftest import run_scenario, tokens
+
+pytestmark = pytest.mark.vllm
+
+P = tokens(600, 1)
+OTHER = tokens(300, 7)
+
+
+def _corrupt_payloads(disk: str) -> str:
+    # Flip one byte near the end of every chunk file: headers stay valid, so the
+    # restarted engine indexes the chunks and reports hits; the CRC catches it at load.
+    return ("shell:python -c \"import glob,os\n"
+            f"for p in glob.glob('{disk}/*/rank0/*/*.kvr'):\n"
+            "    f=open(p,'r+b'); f.seek(os.path.getsize(p)-100); b=f.read(1); f.seek(-1,1)\n"
+            "    f.write(bytes([b[0]^0xFF])); f.close()\"")
+
+
+def test_corruption_found_after_lookup_hit_is_recomputed(tiny_model, tmp_path):
+    disk = str(tmp_path / "disk")
+    cfg = {"cpu_bytes": "64MiB", "disk_dir": disk}
+    cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
+        {"prompts": [P]},
+        {"before": "restart", "prompts": [OTHER]},   # new engine indexes the (still valid) files
+        {"before": _corrupt_payloads(disk), "prompts": [P]},
+        {"prompts": [P]},   # the bad chunks are forgotten; P's blocks were re-saved from the recompute
+    ]})
+    after = reel["phases"][2][0]
+    assert after["token_ids"] == cold["phases"][0][0]["token_ids"]
+    assert after["logprobs"] == cold["phases"][0][0]["logprobs"]
+    m = reel["metrics"]
+    assert m["vllm:kvreel_corrupt_chunks_total|disk"] == 3
+    assert m["vllm:kvreel_load_error_blocks_total"] == 18
+    assert reel["log"].count("payload checksum mismatch") == 3     # logged once per chunk
+    assert reel["phases"][3][0]["num_cached_tokens"] == 576
+
+
+def test_truncated_and_foreign_files_are_misses(tiny_model, tmp_path):
+    disk = tmp_path / "disk"
+    cfg = {"cpu_bytes": "64MiB", "disk_dir": str(disk)}
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P]}]})
+    files = sorted(glob.glob(f"{disk}/*/rank0/*/*.kvr"))
+    assert len(files) == 3
+    # truncate one chunk, move another under a foreign model identity
+    with open(files[0], "r+b") as f:
+        f.truncate(1000)
+    data = open(files[1], "rb").read().replace(files[1].split("/")[-4].encode(), b"f" * 20, 1)
+    open(files[1], "wb").write(data)
+    again = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P]}]})
+    assert "ignoring unusable chunk file" in again["log"]
+    assert again["metrics"]["vllm:kvreel_corrupt_chunks_total|disk"] == 2
+    # blocks of the first chunk are gone, so nothing of P can be reused
+    assert again["phases"][0][0]["num_cached_tokens"] == 0
+    assert again["phases"][0][0]["logprobs"] == reel["phases"][0][0]["logprobs"]
+
+
+def test_full_disk_disables_the_tier_and_serving_continues(tiny_model, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+        reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": str(mnt)},
+                             "phases": [{"prompts": [P]}, {"before": "reset_prefix_cache", "prompts": [P]}]})
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+    assert "disk tier disabled" in reel["log"]
+    assert reel["phases"][1][0] == {**base["phases"][1][0]}     # the host tier still serves, exactly
+
+
+def test_unwritable_disk_dir_disables_the_tier(tiny_model, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": str(not_a_dir)},
+                         "phases": [{"prompts": [P]}, {"before": "reset_prefix_cache", "prompts": [P]}]})
+    assert "is not writable" in reel["log"]
+    assert reel["phases"][1][0] == base["phases"][1][0]
+
+
+def test_invalid_setting_stops_startup_with_its_name(tiny_model):
+    with pytest.raises(AssertionError) as err:
+        run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "lots"}, "phases": []})
+    assert "kv_connector_extra_config['cpu_bytes']='lots' is invalid" in str(err.value)
