@@ -180,20 +180,20 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, key: bytes, hashes: list[bytes], payload: torch.Tensor) -> None:
+        path = self.path(key)
+        tmp = path.with_name(f"{path.name}.tmp")
         try:
             if not self.enabled:
                 raise OSError(errno.EIO, "disk tier disabled")
-            path = self.path(key)
             path.parent.mkdir(exist_ok=True)
-            tmp = path.with_suffix(f".tmp{threading.get_ident()}")
             with open(tmp, "wb") as f:
                 f.writelines(encode_chunk_file(self.identity, hashes, payload))
-            os.replace(tmp, path)
+            os.replace(tmp, path)   # readers never see a half-written chunk
         except OSError as e:
             self.failed_keys.append(key)
             try:
-                tmp.unlink(missing_ok=True)  # type: ignore[possibly-undefined]
-            except (OSError, NameError):
+                tmp.unlink(missing_ok=True)
+            except OSError:
                 pass
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO):
                 self._disable(f"disk tier write failed ({e}); disk tier disabled, serving continues "
@@ -237,19 +237,22 @@ class DiskTier:
 
 
 def scan_chunk_headers(root: str | Path, identity: str, rank: int = 0) -> Iterator[tuple[bytes, ChunkHeader | ChunkFileError]]:
-    """Headers of every chunk file a previous engine left (rank 0's view)."""
+    """Headers of every chunk file a previous engine left (rank 0's view);
+    a damaged file yields its ChunkFileError instead."""
     d = Path(root) / identity / f"rank{rank}"
     if not d.is_dir():
         return
     for path in sorted(d.glob("*/*.kvr")):
         try:
             key = bytes.fromhex(path.stem)
+        except ValueError:
+            continue   # not a name kvreel writes
+        try:
             with open(path, "rb") as f:
                 header = read_header(f, identity)
-            if os.path.getsize(path) < header.payload_bytes:
+                header_end = f.tell()
+            if os.path.getsize(path) != header_end + header.payload_bytes:
                 raise ChunkFileError("truncated payload")
             yield key, header
-        except ValueError:
-            continue
         except (ChunkFileError, OSError) as e:
-            yield bytes.fromhex(path.stem) if len(path.stem) % 2 == 0 else b"", ChunkFileError(f"{path}: {e}")
+            yield key, ChunkFileError(f"{path}: {e}")

@@ -1,0 +1,42 @@
+from pathlib import Path
+
+import pytest
+
+from kvreel.connector.config import ConfigError, KVReelConfig, parse_bytes, settings_table_markdown
+
+
+def test_defaults_and_sizes():
+    cfg = KVReelConfig.load(env={})
+    assert cfg.disk_dir is None and cfg.chunk_tokens == 256
+    cfg = KVReelConfig.load(env={"KVREEL_CPU_BYTES": "512MiB", "KVREEL_DISK_DIR": "/x", "KVREEL_DISK_BYTES": "8GiB"})
+    assert (cfg.cpu_bytes, cfg.disk_dir, cfg.disk_bytes) == (512 * 2**20, "/x", 8 * 2**30)
+    assert [parse_bytes(s) for s in ("1000", "1.5GB", "2k", "3 TiB")] == [1000, 1_500_000_000, 2000, 3 * 2**40]
+
+
+def test_extra_config_overrides_env():
+    cfg = KVReelConfig.load(env={"KVREEL_CPU_BYTES": "1GiB"},
+                            overrides={"cpu_bytes": "2GiB", "KVREEL_CHUNK_TOKENS": 512})
+    assert cfg.cpu_bytes == 2 * 2**30 and cfg.chunk_tokens == 512
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"KVREEL_CPU_BYTES": "lots"}, "KVREEL_CPU_BYTES='lots' is invalid: expected a size >= 0B"),
+    ({"KVREEL_CHUNK_TOKENS": "8"}, "KVREEL_CHUNK_TOKENS='8' is invalid: expected an integer in [16, 1048576]"),
+    ({"KVREEL_DISK_BYTES": "1KiB"}, "KVREEL_DISK_BYTES='1KiB' is invalid: expected a size >= 1.0MiB"),
+    ({"KVREEL_CPU_BYTE": "1GiB"}, "unknown kvreel setting 'KVREEL_CPU_BYTE'; did you mean KVREEL_CPU_BYTES?"),
+    ({"KVREEL_DSK_DIR": "/x"}, "did you mean KVREEL_DISK_DIR?"),
+])
+def test_bad_settings_name_the_variable(env, message):
+    with pytest.raises(ConfigError) as err:
+        KVReelConfig.load(env=env)
+    assert message in str(err.value)
+
+
+def test_unknown_extra_config_key():
+    with pytest.raises(ConfigError, match="did you mean KVREEL_CHUNK_TOKENS"):
+        KVReelConfig.load(env={}, overrides={"chunk_token": 64})
+
+
+def test_readme_documents_every_setting():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert settings_table_markdown() in readme
