@@ -1,0 +1,65 @@
+"""Helpers shared by the benchmarks: real text, result files, plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def python_source_corpus(min_chars: int) -> str:
+    """Real Python source (the standard library), as realistic prefix text."""
+    stdlib = Path(sys.modules["os"].__file__).parent
+    parts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(errors="ignore")
+        parts.append(text)
+        total += len(text)
+        if total >= min_chars:
+            break
+    return "\n".join(parts)
+
+
+def machine() -> dict:
+    import os
+    import torch
+    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine(), **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str,
+               logy: bool = False) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, ys in series.items():
+        ax.plot(x, ys, marker="o", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

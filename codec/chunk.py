@@ -1,0 +1,177 @@
+"""encode_chunk / decode_chunk: a KV chunk <-> a multi-resolution lossless-video container."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvreel.codec import layout as lay
+from kvreel.codec import video_cpu
+from kvreel.codec.container import ChunkError, ChunkHeader, Section, Stream, pack, section_bytes, unpack_header
+from kvreel.codec.layout_search import best_tiling
+from kvreel.codec.quant import DTYPES, QUANTS, byte_planes, restore_tokens, to_samples
+
+DEFAULT_RESOLUTIONS = (256, 512)
+LAYOUTS = ("auto", "naive")
+
+
+def _streams(L: int, B: int):
+    """(layer triplet g, K/V, byte plane) in stream order."""
+    for g in range(-(-L // 3)):
+        for kv in range(2):
+            for b in range(B):
+                yield g, kv, b
+
+
+def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
+                 resolutions: Sequence[int] | None = None, preset: str = "fast", token_start: int = 0,
+                 block_size: int | None = None, model: str | None = None) -> bytes:
+    """KV ``[layers, 2, tokens, kv_heads, head_dim]`` -> container bytes.
+
+    ``quant``: "none" (bit-exact) or "int8"; ``layout``: "auto" (searched
+    token-sliced tiling, cached per model shape) or "naive"; each resolution
+    (frame side in samples) is encoded as its own bitstream."""
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}")
+    dtype_name = next((n for n, d in DTYPES.items() if d == kv.dtype), None)
+    if dtype_name is None:
+        raise ValueError(f"kv dtype must be one of {sorted(DTYPES)}, got {kv.dtype}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    resolutions = tuple(resolutions or DEFAULT_RESOLUTIONS)
+    if any(r < 16 for r in resolutions):
+        raise ValueError(f"resolutions must be >= 16 samples, got {resolutions}")
+    kv = kv.detach().cpu()
+    L, _, T, H, D = kv.shape
+    samples, params = to_samples(kv, quant)                 # [L, 2, B, T, H, D] uint8
+    B = samples.shape[2]
+    tiling = best_tiling(samples, resolutions[0], preset) if layout == "auto" else None
+    sections: list[bytes] = []
+    offset = 0
+    params_section = None
+    if params is not None:
+        raw = params.contiguous().numpy().tobytes()
+        params_section = Section(offset, len(raw), zlib.crc32(raw))
+        sections.append(raw)
+        offset += len(raw)
+    streams = []
+    for res in resolutions:
+        geo = lay.geometry("naive" if tiling is None else "tiled", res, T, H, D, tiling)
+        frames, crcs = _frames(samples, geo, tiling, L, B)
+        bitstream = video_cpu.encode_frames_verified(frames, geo.width, geo.height, preset=preset)
+        streams.append(Stream(res, geo.__dict__, Section(offset, len(bitstream), zlib.crc32(bitstream)), crcs))
+        sections.append(bitstream)
+        offset += len(bitstream)
+    header = ChunkHeader([L, T, H, D], dtype_name, quant, layout,
+                         tiling.as_dict() if tiling else None, params_section, streams, token_start, block_size, model)
+    return pack(header, sections)
+
+
+def _frames(samples: torch.Tensor, geo: lay.FrameGeometry, tiling, L: int, B: int):
+    """All frames of a resolution in stream order, and their CRCs."""
+    frames, crcs = [], []
+    for g, kv, b in _streams(L, B):
+        planes = []
+        for c in range(3):
+            layer = 3 * g + c
+            if layer < L:
+                planes.append(lay.stream_frames(samples[layer, kv, b], geo, tiling))
+            else:
+                planes.append(torch.zeros((geo.frames, geo.height, geo.width), dtype=torch.uint8))
+        stacked = torch.stack(planes, dim=1).numpy()           # [F, 3, height, width]
+        for f in range(geo.frames):
+            frames.append(stacked[f])
+            crcs.append(zlib.crc32(stacked[f]))
+    return frames, crcs
+
+
+def read_header(data: bytes | memoryview) -> ChunkHeader:
+    return unpack_header(data)[0]
+
+
+def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out: torch.Tensor | None = None,
+                 device: str | torch.device = "cpu", decoder: str = "auto") -> torch.Tensor:
+    """Container bytes -> KV ``[layers, 2, tokens, kv_heads, head_dim]`` (into ``out`` when given).
+
+    Frames are restored into the destination one at a time (no chunk-sized
+    intermediate). The bitstream's CRC is checked before the first write, so a
+    damaged chunk raises ChunkError and leaves ``out`` untouched; ``decoder``
+    is "auto" (NVDEC when decoding to a GPU with PyNvVideoCodec), "nvdec" or "cpu"."""
+    header, base = unpack_header(data)
+    L, T, H, D = header.shape
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None or header.quant not in QUANTS or header.layout not in LAYOUTS:
+        raise ChunkError(f"unknown dtype/quant/layout {header.dtype}/{header.quant}/{header.layout}")
+    if out is not None:
+        want = (L, 2, T, H, D)
+        if tuple(out.shape) != want or out.dtype != dtype:
+            raise ChunkError(f"chunk holds KV of shape {want} {header.dtype}, destination is "
+                             f"{tuple(out.shape)} {str(out.dtype).replace('torch.', '')}: wrong model shape")
+    stream = _pick(header, resolution)
+    bitstream = section_bytes(data, base, stream.bitstream, f"bitstream at resolution {stream.resolution}")
+    params = None
+    if header.params is not None:
+        raw = section_bytes(data, base, header.params, "quantizer parameters")
+        params = torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(L, 2, 2, H, D)
+    tiling = lay.Tiling(**header.tiling) if header.tiling else None
+    geo = lay.FrameGeometry(**stream.geometry)
+    B = byte_planes(dtype, header.quant)
+    expected = -(-L // 3) * 2 * B * geo.frames
+    if len(stream.frame_crcs) != expected:
+        raise ChunkError(f"chunk lists {len(stream.frame_crcs)} frames, its geometry needs {expected}")
+    if out is None:
+        out = torch.empty((L, 2, T, H, D), dtype=dtype, device=device)
+    use_nvdec = decoder == "nvdec" or (decoder == "auto" and out.device.type == "cuda" and _nvdec_available())
+    frames = _decode_iter(bytes(bitstream), use_nvdec, out.device)
+    order = [(g, kv, b, f) for g, kv, b in _streams(L, B) for f in range(geo.frames)]
+    n = 0
+    for n, frame in enumerate(frames):
+        if n >= len(order):
+            raise ChunkError("bitstream holds more frames than the header lists")
+        g, kv, b, f = order[n]
+        if frame.shape != (3, geo.height, geo.width):
+            raise ChunkError(f"decoded frame is {tuple(frame.shape)}, expected {(3, geo.height, geo.width)}")
+        if zlib.crc32(frame.cpu().numpy() if isinstance(frame, torch.Tensor) else frame) != stream.frame_crcs[n]:
+            raise ChunkError(f"frame {n} failed its checksum after decoding")
+        planes = frame if isinstance(frame, torch.Tensor) else torch.from_numpy(frame)
+        for c in range(3):
+            layer = 3 * g + c
+            if layer >= L:
+                continue
+            tokens, values = lay.frame_tokens(planes[c], f, geo, tiling, T, H, D)
+            restore_tokens(out, layer, kv, b, tokens.to(out.device), values, header.quant, params)
+    if n + 1 != len(order):
+        raise ChunkError(f"bitstream ended after {n + 1} of {len(order)} frames")
+    return out
+
+
+def _pick(header: ChunkHeader, resolution: int | None) -> Stream:
+    if not header.streams:
+        raise ChunkError("chunk holds no bitstream")
+    if resolution is None:
+        return header.streams[0]
+    for s in header.streams:
+        if s.resolution == resolution:
+            return s
+    raise ChunkError(f"chunk has no resolution {resolution} (has {[s.resolution for s in header.streams]})")
+
+
+def _nvdec_available() -> bool:
+    from kvreel.codec import video_nvdec
+    return video_nvdec.available()
+
+
+def _decode_iter(bitstream: bytes, use_nvdec: bool, device):
+    try:
+        if use_nvdec:
+            from kvreel.codec import video_nvdec
+            yield from video_nvdec.decode_frames(bitstream, device.index or 0)
+        else:
+            yield from video_cpu.decode_frames(bitstream)
+    except ValueError as e:
+        raise ChunkError(str(e)) from None

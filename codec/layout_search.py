@@ -1,0 +1,77 @@
+"""Intra-frame tiling search (KVFetcher §3.2), run once per model shape and cached.
+
+Each candidate tiling is encoded on a sample of the chunk (lossless, so size is
+the only criterion) and the smallest wins. Results are cached in memory and in
+``~/.cache/kvreel/layouts.json`` keyed by (layers, heads, head_dim, byte planes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kvreel.codec import layout as lay
+from kvreel.codec import video_cpu
+
+SAMPLE_TOKENS = 256
+_memo: dict[str, dict] = {}
+_lock = threading.Lock()
+
+
+def cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "kvreel" / "layouts.json"
+
+
+def _key(samples: torch.Tensor) -> str:
+    L, _, B, T, H, D = samples.shape
+    return f"L{L}-H{H}-D{D}-B{B}"
+
+
+def search(samples: torch.Tensor, resolution: int, preset: str = "fast") -> tuple[lay.Tiling, dict[str, int]]:
+    """Try every candidate on up to SAMPLE_TOKENS tokens of the first layers; (best, sizes)."""
+    L, _, B, T, H, D = samples.shape
+    part = samples[: min(L, 3), :, :, : min(T, SAMPLE_TOKENS)]
+    sizes = {}
+    for tiling in lay.candidate_tilings(H, D):
+        geo = lay.geometry("tiled", resolution, part.shape[3], H, D, tiling)
+        total = 0
+        for kv in range(2):
+            for b in range(B):
+                planes = [lay.stream_frames(part[c, kv, b], geo, tiling) if c < part.shape[0]
+                          else torch.zeros((geo.frames, geo.height, geo.width), dtype=torch.uint8)
+                          for c in range(3)]
+                frames = torch.stack(planes, 1).numpy()
+                total += len(video_cpu.encode_frames(list(frames), geo.width, geo.height, preset=preset))
+        sizes[f"{tiling.head_rows}x{tiling.fold}"] = total
+    best = min(lay.candidate_tilings(H, D), key=lambda t: sizes[f"{t.head_rows}x{t.fold}"])
+    return best, sizes
+
+
+def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast") -> lay.Tiling:
+    key = _key(samples)
+    with _lock:
+        if key not in _memo:
+            try:
+                _memo.update(json.loads(cache_path().read_text()))
+            except (OSError, ValueError):
+                pass
+        hit = _memo.get(key)
+    if hit is not None:
+        return lay.Tiling(**hit)
+    best, _ = search(samples, resolution, preset)
+    with _lock:
+        _memo[key] = best.as_dict()
+        try:
+            path = cache_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(_memo, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass   # an unwritable cache only costs a re-search
+    return best
