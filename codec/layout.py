@@ -76,8 +76,11 @@ class FrameGeometry:
         return self.tiles_per_row * self.tile_rows
 
 
+NVDEC_MIN_SIDE = 144   # smallest frame NVDEC decodes; smaller frames are padded (zeros cost ~nothing)
+
+
 def _align(n: int, a: int = 8) -> int:
-    return max(a, -(-n // a) * a)
+    return max(NVDEC_MIN_SIDE, -(-n // a) * a)
 
 
 def geometry(layout: str, resolution: int, T: int, H: int, D: int, tiling: Tiling | None) -> FrameGeometry:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import torch
 
+# Above this many runs of consecutive blocks, a CUDA copy gathers on the device
+# first: many small DMAs are far slower than one kernel plus one large DMA.
+MAX_DMA_RUNS = 8
+
 
 class PagedRegions:
     """Every [num_blocks, block_bytes] byte view that together holds a block's KV."""
@@ -55,35 +59,66 @@ class PagedRegions:
                            pin_memory=self.is_cuda)
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out of the paged cache into a new host tensor [regions, n, block_bytes]."""
+        """Copy blocks out of the paged cache into a new host tensor [regions, n, block_bytes].
+
+        Runs of consecutive block ids move as one slice copy (on CUDA one DMA
+        per run and region, straight into pinned memory, on a side stream);
+        only scattered blocks pay for an index_select."""
         out = self.empty_host(len(block_ids))
-        if not self.is_cuda:
-            idx = torch.tensor(block_ids, dtype=torch.long)
-            for r, region in enumerate(self.regions):
-                torch.index_select(region, 0, idx, out=out[r].view(torch.int8))
-            return out
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            staged = torch.stack([region.index_select(0, idx) for region in self.regions])
-            out.view(torch.int8).copy_(staged, non_blocking=True)
-        self._stream.synchronize()
+        dst = out.view(torch.int8)
+        runs = list(_runs(block_ids))
+        stream = self._side_stream_after_compute()
+        with _on(stream):
+            if self.is_cuda and len(runs) > MAX_DMA_RUNS:
+                # scattered blocks: one gather kernel per region, then one DMA
+                idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+                dst.copy_(torch.stack([region.index_select(0, idx) for region in self.regions]), non_blocking=True)
+            else:
+                for first, start, n in runs:
+                    for r, region in enumerate(self.regions):
+                        dst[r, first:first + n].copy_(region[start:start + n], non_blocking=self.is_cuda)
+        if stream is not None:
+            stream.synchronize()
         return out
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], rows: slice | None = None) -> None:
         """Write host rows [regions, n, block_bytes] (or host[:, rows]) into the given blocks."""
-        src = host if rows is None else host[:, rows]
-        if not self.is_cuda:
-            idx = torch.tensor(block_ids, dtype=torch.long)
-            for r, region in enumerate(self.regions):
-                region.index_copy_(0, idx, src[r].view(torch.int8))
-            return
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        with torch.cuda.stream(self._stream):
-            dev = src.to(self.device, non_blocking=True).view(torch.int8)
-            for r, region in enumerate(self.regions):
-                region.index_copy_(0, idx, dev[r])
-        self._stream.synchronize()
+        src = (host if rows is None else host[:, rows]).view(torch.int8)
+        runs = list(_runs(block_ids))
+        stream = self._stream
+        with _on(stream):
+            if self.is_cuda and len(runs) > MAX_DMA_RUNS:
+                idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+                dev = src.to(self.device, non_blocking=True)
+                for r, region in enumerate(self.regions):
+                    region.index_copy_(0, idx, dev[r])
+            else:
+                for first, start, n in runs:
+                    for r, region in enumerate(self.regions):
+                        region[start:start + n].copy_(src[r, first:first + n], non_blocking=self.is_cuda)
+        if stream is not None:
+            stream.synchronize()
+
+    def _side_stream_after_compute(self):
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return self._stream
+
+
+def _on(stream):
+    import contextlib
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _runs(block_ids: list[int]):
+    """(position in the list, first block id, length) of each run of consecutive ids."""
+    i = 0
+    while i < len(block_ids):
+        j = i + 1
+        while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
+            j += 1
+        yield i, block_ids[i], j - i
+        i = j
 
 
 def layout_of(kv_cache_config) -> tuple[int, int]:
