@@ -5,7 +5,7 @@
 The header records the model shape (layers, KV heads, head_dim, dtype, block
 size), token range, quantizer and its parameter section, layout and tiling, and
 for every encoded resolution the frame geometry, the byte range and CRC-32 of
-its bitstream and a CRC-32 per decoded frame. Sections follow the header in the
+its bitstream and a checksum per decoded frame. Sections follow the header in the
 order the header lists them, so a fetcher can read one resolution with a range
 request. JSON, never pickle: containers arrive from remote stores.
 """
@@ -40,7 +40,7 @@ class Stream:
     resolution: int
     geometry: dict
     bitstream: Section
-    frame_crcs: list[int] = field(default_factory=list)
+    frame_sums: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class ChunkHeader:
             d = json.loads(raw)
             params = Section(**d["params"]) if d.get("params") else None
             streams = [Stream(s["resolution"], dict(s["geometry"]), Section(**s["bitstream"]),
-                              [int(c) for c in s["frame_crcs"]]) for s in d["streams"]]
+                              [int(c) for c in s["frame_sums"]]) for s in d["streams"]]
             return cls([int(x) for x in d["shape"]], str(d["dtype"]), str(d["quant"]), str(d["layout"]),
                        d.get("tiling"), params, streams, int(d.get("token_start", 0)), d.get("block_size"),
                        d.get("model"))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import threading
+
 import numpy as np
 
 
@@ -21,11 +23,28 @@ def available() -> bool:
         return False
 
 
-def decode_frames(bitstream: bytes, gpu_id: int = 0) -> Iterator["torch.Tensor"]:
+_local = threading.local()
+
+
+def _decoder(gpu_id: int, size: tuple[int, int]):
+    """One decoder per thread, GPU and frame size, reused across chunks: creating
+    a decoder while another exists cost ~0.2 s on an H100 (measured), decoding a
+    512x512 chunk of 8 frames ~0.04 s. A decoder does not reconfigure to a new
+    frame size after end of stream (it kept the old size), hence the size key."""
+    import PyNvVideoCodec as nvc
+    cache = _local.__dict__.setdefault("decoders", {})
+    key = (gpu_id, size)
+    if key not in cache:
+        cache[key] = nvc.CreateDecoder(gpuid=gpu_id, codec=nvc.cudaVideoCodec.HEVC, usedevicememory=True,
+                                          outputColorType=nvc.OutputColorType.NATIVE)
+    return cache[key]
+
+
+def decode_frames(bitstream: bytes, gpu_id: int, size: tuple[int, int]) -> Iterator["torch.Tensor"]:
+    """``size`` = (width, height) of the stream's frames."""
     import PyNvVideoCodec as nvc
     import torch
-    decoder = nvc.CreateDecoder(gpuid=gpu_id, codec=nvc.cudaVideoCodec.HEVC, usedevicememory=True,
-                                outputColorType=nvc.OutputColorType.NATIVE)
+    decoder = _decoder(gpu_id, size)
     buf = np.frombuffer(bitstream, dtype=np.uint8)
     packet = nvc.PacketData()
     packet.bsl_data = buf.ctypes.data

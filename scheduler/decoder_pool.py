@@ -1,0 +1,53 @@
+"""A pool of chunk decoders: several chunks in flight at once.
+
+Each worker thread decodes whole chunks with ``kvreel.codec.decode_chunk``; on a
+GPU every worker drives its own NVDEC session (an H100 has 7 NVDEC engines), on
+the CPU FFmpeg's decoder releases the GIL, so threads decode in parallel too.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvreel.codec import decode_chunk
+
+
+class DecoderPool:
+    def __init__(self, workers: int = 4, device: str | torch.device = "cpu", decoder: str = "auto"):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self.device = torch.device(device)
+        self.decoder = decoder
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvreel-decode")
+        self._in_flight = 0
+
+    @property
+    def load(self) -> float:
+        """Chunks queued or decoding per worker (the fetcher's decoder-load input)."""
+        return self._in_flight / self.workers
+
+    def submit(self, data: bytes, *, resolution: int | None = None, out: torch.Tensor | None = None) -> Future:
+        self._in_flight += 1
+        fut = self._pool.submit(self._decode, data, resolution, out)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _decode(self, data, resolution, out):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        return decode_chunk(data, resolution=resolution, out=out, device=self.device, decoder=self.decoder)
+
+    def _done(self, _fut) -> None:
+        self._in_flight -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
