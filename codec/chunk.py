@@ -28,12 +28,14 @@ def _streams(L: int, B: int):
 
 def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
                  resolutions: Sequence[int] | None = None, preset: str = "fast", token_start: int = 0,
-                 block_size: int | None = None, model: str | None = None) -> bytes:
+                 block_size: int | None = None, model: str | None = None, encoder: str = "auto") -> bytes:
     """KV ``[layers, 2, tokens, kv_heads, head_dim]`` -> container bytes.
 
     ``quant``: "none" (bit-exact) or "int8"; ``layout``: "auto" (searched
     token-sliced tiling, cached per model shape) or "naive"; each resolution
-    (frame side in samples) is encoded as its own bitstream."""
+    (frame side in samples) is encoded as its own bitstream. ``encoder``: "auto"
+    (NVENC where the GPU has one, else libx265), "nvenc" or "cpu"; every
+    bitstream is decoded once before it is accepted, so it is lossless."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(kv.shape)}")
     dtype_name = next((n for n, d in DTYPES.items() if d == kv.dtype), None)
@@ -43,6 +45,9 @@ def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if encoder not in ("auto", "nvenc", "cpu"):
+        raise ValueError(f"encoder must be auto, nvenc or cpu, got {encoder!r}")
+    use_nvenc = encoder == "nvenc" or (encoder == "auto" and _nvenc_available())
     resolutions = tuple(resolutions or DEFAULT_RESOLUTIONS)
     if any(r < 16 for r in resolutions):
         raise ValueError(f"resolutions must be >= 16 samples, got {resolutions}")
@@ -63,7 +68,8 @@ def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
     for res in resolutions:
         geo = lay.geometry("naive" if tiling is None else "tiled", res, T, H, D, tiling)
         frames, sums = _frames(samples, geo, tiling, L, B)
-        bitstream = video_cpu.encode_frames_verified(frames, geo.width, geo.height, preset=preset)
+        bitstream = video_cpu.encode_frames_verified(frames, geo.width, geo.height, preset=preset,
+                                                     use_nvenc=use_nvenc)
         streams.append(Stream(res, geo.__dict__, Section(offset, len(bitstream), zlib.crc32(bitstream)), sums))
         sections.append(bitstream)
         offset += len(bitstream)
@@ -181,6 +187,11 @@ def _pick(header: ChunkHeader, resolution: int | None) -> Stream:
         if s.resolution == resolution:
             return s
     raise ChunkError(f"chunk has no resolution {resolution} (has {[s.resolution for s in header.streams]})")
+
+
+def _nvenc_available() -> bool:
+    from kvreel.codec import video_nvenc
+    return video_nvenc.available()
 
 
 def _nvdec_available() -> bool:

@@ -38,3 +38,17 @@ def test_nvdec_matches_pyav_frame_by_frame():
     gpu = [f.cpu() for f in video_nvdec.decode_frames(bitstream, 0, (geo["width"], geo["height"]))]
     assert len(cpu) == len(gpu) > 0
     assert all(torch.equal(a, b) for a, b in zip(cpu, gpu))
+
+
+def test_encode_on_a_gpu_machine_round_trips_through_nvdec():
+    """encoder="auto": NVENC where present (an H100 has none: libx265 then);
+    whichever encoded it, NVDEC decodes the KV back bit for bit."""
+    pytest.importorskip("PyNvVideoCodec")
+    pytest.importorskip("av")
+    from kvreel.codec import decode_chunk, encode_chunk
+    from kvreel.codec import video_nvenc
+    kv = reference()
+    blob = encode_chunk(kv, quant="none", layout="auto", resolutions=(144,), encoder="auto")
+    out = decode_chunk(blob, device="cuda", decoder="nvdec")
+    assert torch.equal(out.cpu().view(torch.uint8), kv.view(torch.uint8))
+    assert isinstance(video_nvenc.available(), bool)
