@@ -151,7 +151,7 @@ def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out
     if out is None:
         out = torch.empty((L, 2, T, H, D), dtype=dtype, device=device)
     use_nvdec = decoder == "nvdec" or (decoder == "auto" and out.device.type == "cuda" and _nvdec_available())
-    frames = _decode_iter(bytes(bitstream), use_nvdec, out.device, (geo.width, geo.height))
+    frames = _decode_iter(bytes(bitstream), use_nvdec, out.device)
     order = [(g, kv, b, f) for g, kv, b in _streams(L, B) for f in range(geo.frames)]
     n = 0
     checks: list[torch.Tensor] = []
@@ -199,11 +199,11 @@ def _nvdec_available() -> bool:
     return video_nvdec.available()
 
 
-def _decode_iter(bitstream: bytes, use_nvdec: bool, device, size: tuple[int, int]):
+def _decode_iter(bitstream: bytes, use_nvdec: bool, device):
     try:
         if use_nvdec:
             from kvreel.codec import video_nvdec
-            yield from video_nvdec.decode_frames(bitstream, device.index or 0, size)
+            yield from video_nvdec.decode_frames(bitstream, device.index or 0)
         else:
             yield from video_cpu.decode_frames(bitstream)
     except ValueError as e:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import subprocess
+import sys
 from typing import Iterable
 
 import numpy as np
@@ -17,19 +19,35 @@ import numpy as np
 logger = logging.getLogger("kvreel.codec")
 
 
+_PROBE = """
+import sys, PyNvVideoCodec as nvc
+enc = nvc.CreateEncoder(256, 256, "YUV444", True, codec="hevc", tuning_info="lossless", gpuid=int(sys.argv[1]))
+enc.EndEncode()
+"""
+
+
 @functools.lru_cache(maxsize=None)
 def available(gpu_id: int = 0) -> bool:
+    """Probe in a child process: on a GPU without NVENC the failed session left
+    this process's NVDEC decoders unusable (measured on an H100: the next decode
+    aborted), so the probe must not run here."""
     try:
-        import PyNvVideoCodec as nvc
+        import PyNvVideoCodec  # noqa: F401
         import torch
         if not torch.cuda.is_available():
             return False
-        enc = nvc.CreateEncoder(256, 256, "YUV444", True, codec="hevc", tuning_info="lossless", gpuid=gpu_id)
-        enc.EndEncode()
-        return True
-    except Exception as e:  # the library raises plain exceptions for "no encoder on this GPU"
-        logger.info("kvreel: NVENC unavailable (%s); encoding with libx265", e)
+    except ImportError:
         return False
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, str(gpu_id)], capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.info("kvreel: NVENC probe failed (%s); encoding with libx265", e)
+        return False
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or ["no reason given"])[-1]
+        logger.info("kvreel: NVENC unavailable (%s); encoding with libx265", reason)
+    return proc.returncode == 0
 
 
 def encode_frames(frames: Iterable[np.ndarray], width: int, height: int, gpu_id: int = 0) -> bytes:
