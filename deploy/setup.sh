@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The remote-store tests use a real Redis on loopback (Debian's redis-server).
+if ! command -v redis-server >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "could not install redis-server"
+fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

@@ -1,0 +1,172 @@
+"""Remote chunk stores behind ``KVREEL_REMOTE_URL``.
+
+* ``redis://[:password@]host:port/db`` — a real Redis (redis-py), with connect
+  and read timeouts so a dead or slow store costs a bounded wait, never a hang.
+* ``file:///path`` — a shared filesystem; keys map to files strictly inside the
+  root (no path traversal), written atomically.
+
+Values are opaque bytes (kvreel's self-checking chunk containers); nothing read
+from a store is ever unpickled. Every value is size-limited both ways.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlparse
+
+KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._/-]{0,255}$")
+
+
+class RemoteError(Exception):
+    """The store could not be reached, timed out, or refused the operation."""
+
+
+class RemoteStore(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+    def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
+    def exists(self, keys: list[str]) -> list[bool]: ...
+    def delete(self, key: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def chunk_key(identity: str, key: bytes) -> str:
+    """Store key of a chunk: the model identity first, so two models never mix."""
+    return f"kvreel/{identity}/{key.hex()}"
+
+
+def _check_key(key: str) -> str:
+    if not KEY_RE.match(key) or ".." in key.split("/"):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class RedisStore:
+    def __init__(self, url: str, *, timeout_s: float, max_value_bytes: int):
+        import redis
+        self.url = url
+        self.max_value_bytes = max_value_bytes
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                            retry_on_timeout=False, health_check_interval=30)
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.ResponseError, redis.exceptions.AuthenticationError, OSError)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except self._errors as e:
+            raise RemoteError(f"redis store {_safe(self.url)}: {type(e).__name__}: {e}") from None
+
+    def put(self, key: str, data: bytes) -> None:
+        _limit(len(data), self.max_value_bytes, key)
+        self._call(self._client.set, _check_key(key), data)
+
+    def get(self, key: str) -> bytes | None:
+        size = self._call(self._client.strlen, _check_key(key))
+        if not size:
+            return None
+        _limit(size, self.max_value_bytes, key)
+        return self._call(self._client.get, key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        _limit(length, self.max_value_bytes, key)
+        data = self._call(self._client.getrange, _check_key(key), start, start + length - 1)
+        return data if data else None
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(_check_key(k))
+        return [bool(x) for x in self._call(pipe.execute)]
+
+    def delete(self, key: str) -> None:
+        self._call(self._client.delete, _check_key(key))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class FileStore:
+    def __init__(self, url: str, *, max_value_bytes: int):
+        self.url = url
+        self.root = Path(unquote(urlparse(url).path)).resolve()
+        self.max_value_bytes = max_value_bytes
+        self._lock = threading.Lock()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RemoteError(f"file store {url}: {e}") from None
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / _check_key(key)).resolve()
+        if self.root not in path.parents:
+            raise ValueError(f"store key {key!r} escapes the store directory")
+        return path
+
+    def put(self, key: str, data: bytes) -> None:
+        _limit(len(data), self.max_value_bytes, key)
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise RemoteError(f"file store put {key}: {e}") from None
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            _limit(path.stat().st_size, self.max_value_bytes, key)
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RemoteError(f"file store get {key}: {e}") from None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        _limit(length, self.max_value_bytes, key)
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length) or None
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RemoteError(f"file store get_range {key}: {e}") from None
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return [self._path(k).is_file() for k in keys]
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        return
+
+
+def _limit(size: int, limit: int, key: str) -> None:
+    if size > limit:
+        raise RemoteError(f"value of {key} is {size} bytes, over the {limit}-byte limit")
+
+
+def _safe(url: str) -> str:
+    """The URL without its password, for log lines."""
+    p = urlparse(url)
+    return url.replace(p.password, "***") if p.password else url
+
+
+def open_store(url: str, *, timeout_s: float = 2.0, max_value_bytes: int = 256 << 20) -> RemoteStore:
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss"):
+        return RedisStore(url, timeout_s=timeout_s, max_value_bytes=max_value_bytes)
+    if scheme == "file":
+        return FileStore(url, max_value_bytes=max_value_bytes)
+    raise ValueError(f"remote store URL must start with redis://, rediss:// or file://, got {_safe(url)!r}")
