@@ -1,0 +1,73 @@
+"""Per-chunk choice of what to fetch (KVFetcher Alg. 1, plus format adaptation).
+
+Before each chunk: the bandwidth is estimated from the chunks already fetched
+(EWMA of bytes/second), each candidate form of the chunk (a video resolution,
+or the raw/zstd bytes) gets a transmission time (size / bandwidth) and a decode
+time (measured profile x current decoder load), switching resolution costs a
+penalty (a new decoder configuration), and the candidate with the smallest
+pipelined time max(transmit, decode) + penalty wins. A raw form has a decode
+time of a memcpy, so when the link outruns the decoders kvreel fetches raw and
+is never slower than a raw fetch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+class BandwidthEstimator:
+    """EWMA of observed transfer rates (bytes/second)."""
+
+    def __init__(self, initial_Bps: float, alpha: float = 0.5):
+        if initial_Bps <= 0 or not 0 < alpha <= 1:
+            raise ValueError("initial_Bps must be > 0 and 0 < alpha <= 1")
+        self.Bps = float(initial_Bps)
+        self.alpha = alpha
+
+    def observe(self, nbytes: int, seconds: float) -> float:
+        if nbytes > 0 and seconds > 0:
+            self.Bps = (1 - self.alpha) * self.Bps + self.alpha * (nbytes / seconds)
+        return self.Bps
+
+    def timed(self):
+        """``with est.timed() as t: ...; t.nbytes = n`` records one transfer."""
+        return _Timed(self)
+
+
+class _Timed:
+    def __init__(self, est):
+        self.est, self.nbytes = est, 0
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.est.observe(self.nbytes, time.perf_counter() - self.t0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str            # e.g. "video@512" or "raw"
+    nbytes: int          # bytes on the wire
+    decode_s: float      # measured decode time with an idle decoder
+
+
+def choose(candidates: list[Candidate], bandwidth_Bps: float, *, decoder_load: float = 0.0,
+           previous: str | None = None, switch_penalty_s: float = 0.0) -> tuple[Candidate, dict[str, float]]:
+    """The candidate with the smallest pipelined time; also every candidate's cost.
+
+    ``decoder_load``: chunks already queued per decoder (DecoderPool.load); a
+    busy decoder makes decoding proportionally slower."""
+    if not candidates:
+        raise ValueError("no candidates")
+    costs = {}
+    for c in candidates:
+        transmit = c.nbytes / bandwidth_Bps
+        decode = c.decode_s * (1.0 + decoder_load)
+        penalty = switch_penalty_s if previous is not None and c.name != previous else 0.0
+        costs[c.name] = max(transmit, decode) + penalty
+    best = min(candidates, key=lambda c: (costs[c.name], c.nbytes))
+    return best, costs
