@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import lzma
-import math
 import sys
 import time
 import zlib

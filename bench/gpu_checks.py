@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -129,7 +128,7 @@ def main():
         result["copy_path_error"] = repr(e)
     try:
         result["nvdec"] = nvdec_checks(Path(a.data))
-    except Exception as e:
+    except Exception:
         import traceback
         result["nvdec_error"] = traceback.format_exc()
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -7,12 +7,15 @@ Decode call, as PyNvVideoCodec reuses its surfaces).
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import hashlib
 import threading
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def available() -> bool:

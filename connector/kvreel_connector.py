@@ -160,15 +160,10 @@ class KVReelConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         if num_external_tokens == 0:
             return {}
-        load = next((op for op in reversed(self._scheduler._loads) if op.req_id == request.request_id), None)
-        if load is None:
+        tokens = self._scheduler.planned_tokens_by_tier(request.request_id)
+        if not tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        bs = self._scheduler.block_size
-        out: dict = {}
-        for piece in load.pieces:
-            src = CacheHitSource.HOST if piece.tier == HOST else CacheHitSource.DISK
-            out[src] = out.get(src, 0) + len(piece.block_ids) * bs
-        return out
+        return {CacheHitSource.HOST if tier == HOST else CacheHitSource.DISK: n for tier, n in tokens.items()}
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []

@@ -201,6 +201,15 @@ class KVReelScheduler:
         st.saved_upto = max(st.saved_upto, end)
         self._loads.append(LoadOp(request.request_id, pieces, is_async))
 
+    def planned_tokens_by_tier(self, req_id: str) -> dict[str, int]:
+        """Tokens of this step's load for ``req_id``, per tier (vLLM's hit-source metrics)."""
+        out: dict[str, int] = {}
+        for op in self._loads:
+            if op.req_id == req_id:
+                for p in op.pieces:
+                    out[p.tier] = out.get(p.tier, 0) + len(p.block_ids) * self.block_size
+        return out
+
     # -- saves ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVReelMetadata:
         for new in scheduler_output.scheduled_new_reqs:

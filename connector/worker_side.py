@@ -14,7 +14,7 @@ import torch
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.disk_tier import ChunkFileError, DiskTier
-from kvreel.connector.metadata import DISK, HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
+from kvreel.connector.metadata import HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
 from kvreel.connector.stats import KVReelStats
 
 logger = logging.getLogger("kvreel.worker")

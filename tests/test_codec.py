@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvreel.codec import ChunkError, decode_chunk, encode_chunk, read_header
-from kvreel.codec.layout import Tiling, candidate_tilings
+from kvreel.codec.layout import candidate_tilings
 from kvreel.codec.quant import quant_error
 
 DATA = Path(__file__).parent / "data"

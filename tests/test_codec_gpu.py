@@ -27,7 +27,6 @@ def test_nvdec_decode_is_bit_exact(resolution):
 def test_nvdec_matches_pyav_frame_by_frame():
     pytest.importorskip("PyNvVideoCodec")
     av = pytest.importorskip("av")  # noqa: F841
-    from kvreel.codec import read_header
     from kvreel.codec.container import section_bytes, unpack_header
     from kvreel.codec import video_cpu, video_nvdec
     blob = (DATA / "kv_small.kvrc").read_bytes()

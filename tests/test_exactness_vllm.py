@@ -8,8 +8,6 @@ compared bit for bit (logprobs travel as float.hex)."""
 from __future__ import annotations
 
 import glob
-import os
-import subprocess
 
 import pytest
 
