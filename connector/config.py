@@ -70,6 +70,14 @@ def _path_or_none(text: str) -> str | None:
     return text or None
 
 
+def _remote_url(text: str) -> str | None:
+    if not text:
+        return None
+    if not text.startswith(("redis://", "rediss://", "file://")):
+        raise ValueError(text)
+    return text
+
+
 SETTINGS: tuple[Setting, ...] = (
     _bytes_setting("CPU_BYTES", 4 * 1024**3,
                    "Host-memory tier size per worker (pinned on CUDA). 0 disables the host tier."),
@@ -81,6 +89,13 @@ SETTINGS: tuple[Setting, ...] = (
                  "tokens (a multiple of the engine's block size).", 16, 1 << 20),
     _int_setting("DISK_WRITE_QUEUE", 64, "Chunks waiting for the background disk writer before new writes "
                  "are dropped (never blocking the forward pass).", 1, 1 << 16),
+    Setting("REMOTE_URL", _remote_url, None, "redis://[:password@]host:port/db or file:///path (unset: no "
+            "remote tier)", "Shared remote tier; every engine of the same model reuses what any of them stored."),
+    Setting("REMOTE_TIMEOUT_S", float, 2.0, "a number of seconds in (0, 60]",
+            "Connect/read timeout of remote-store calls; a dead store costs at most this, then recompute.",
+            lambda v: 0 < v <= 60),
+    _int_setting("REMOTE_WRITE_QUEUE", 64, "Chunks waiting for the background remote uploader before new "
+                 "uploads are dropped (never blocking the forward pass).", 1, 1 << 16),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -92,6 +107,9 @@ class KVReelConfig:
     disk_bytes: int
     chunk_tokens: int
     disk_write_queue: int
+    remote_url: str | None
+    remote_timeout_s: float
+    remote_write_queue: int
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None,

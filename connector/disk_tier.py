@@ -101,18 +101,22 @@ def read_header(f, identity: str | None) -> ChunkHeader:
     return header
 
 
-def read_chunk_file(path: Path, identity: str) -> tuple[ChunkHeader, torch.Tensor]:
-    """Read and verify a whole chunk file; raises ChunkFileError on any damage."""
-    with open(path, "rb") as f:
-        header = read_header(f, identity)
-        payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
-        view = memoryview(payload.numpy())
-        got = f.readinto(view)
-        if got != header.payload_bytes or f.read(1):
-            raise ChunkFileError(f"payload is {got}+ bytes, header says {header.payload_bytes}")
+def read_chunk(f, identity: str) -> tuple[ChunkHeader, torch.Tensor]:
+    """Read and verify a whole chunk from a binary stream; ChunkFileError on any damage."""
+    header = read_header(f, identity)
+    payload = torch.empty(header.payload_bytes, dtype=torch.uint8)
+    view = memoryview(payload.numpy())
+    got = f.readinto(view)
+    if got != header.payload_bytes or f.read(1):
+        raise ChunkFileError(f"payload is {got}+ bytes, header says {header.payload_bytes}")
     if zlib.crc32(view) != header.payload_crc:
         raise ChunkFileError("payload checksum mismatch")
     return header, payload.view(header.shape)
+
+
+def read_chunk_file(path: Path, identity: str) -> tuple[ChunkHeader, torch.Tensor]:
+    with open(path, "rb") as f:
+        return read_chunk(f, identity)
 
 
 class DiskTier:

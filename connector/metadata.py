@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 HOST = "host"
 DISK = "disk"
+REMOTE = "remote"
 
 
 @dataclass
@@ -27,6 +28,7 @@ class StoreOp:
     block_ids: list[int]
     to_host: bool
     to_disk: bool
+    to_remote: bool = False
 
 
 @dataclass

@@ -32,13 +32,20 @@ class RemoteStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
     def get_range(self, key: str, start: int, length: int) -> bytes | None: ...
     def exists(self, keys: list[str]) -> list[bool]: ...
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
+    def put_many(self, items: dict[str, bytes]) -> None: ...
     def delete(self, key: str) -> None: ...
     def close(self) -> None: ...
 
 
 def chunk_key(identity: str, key: bytes) -> str:
     """Store key of a chunk: the model identity first, so two models never mix."""
-    return f"kvreel/{identity}/{key.hex()}"
+    return f"kvreel/{identity}/c/{key.hex()}"
+
+
+def block_key(identity: str, block_hash: bytes) -> str:
+    """Store key of a block pointer (which chunk and row hold this block)."""
+    return f"kvreel/{identity}/b/{block_hash.hex()}"
 
 
 def _check_key(key: str) -> str:
@@ -84,6 +91,20 @@ class RedisStore:
         for k in keys:
             pipe.exists(_check_key(k))
         return [bool(x) for x in self._call(pipe.execute)]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Small values only (block pointers): one MGET round trip."""
+        if not keys:
+            return []
+        return self._call(self._client.mget, [_check_key(k) for k in keys])
+
+    def put_many(self, items: dict[str, bytes]) -> None:
+        for k, v in items.items():
+            _limit(len(v), self.max_value_bytes, k)
+        pipe = self._client.pipeline(transaction=False)
+        for k, v in items.items():
+            pipe.set(_check_key(k), v)
+        self._call(pipe.execute)
 
     def delete(self, key: str) -> None:
         self._call(self._client.delete, _check_key(key))
@@ -144,6 +165,13 @@ class FileStore:
 
     def exists(self, keys: list[str]) -> list[bool]:
         return [self._path(k).is_file() for k in keys]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: dict[str, bytes]) -> None:
+        for k, v in items.items():
+            self.put(k, v)
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

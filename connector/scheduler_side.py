@@ -22,6 +22,7 @@ from kvreel.connector.disk_tier import ChunkFileError, scan_chunk_headers
 from kvreel.connector.metadata import (
     DISK,
     HOST,
+    REMOTE,
     KVReelMetadata,
     KVReelWorkerMeta,
     LoadOp,
@@ -87,6 +88,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0          # blocks below this are stored (or were skipped)
     counted_lookup: bool = False
+    from_remote: set = field(default_factory=set)   # hashes this request loaded from the remote tier
 
 
 class KVReelScheduler:
@@ -112,6 +114,11 @@ class KVReelScheduler:
         self._sync_pins: list[Chunk] = []
         self._async_pins: dict[str, list[Chunk]] = {}
         self._promotions: dict[str, list[Chunk]] = {}
+        self._remote_plans: dict[str, list[tuple[bytes, int]]] = {}
+        self.remote = None
+        if cfg.remote_url:
+            from kvreel.connector.remote_tier import RemoteLookups
+            self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
         if self.disk is not None:
             self._adopt_disk_chunks()
         logger.info("kvreel: host tier %s, disk tier %s, chunk %d tokens, %s per block",
@@ -143,7 +150,7 @@ class KVReelScheduler:
             self._index(chunk)
 
     # -- lookup --------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self.reqs.setdefault(request.request_id, RequestState(request))
         st.request = request
         hashes = request.block_hashes
@@ -152,14 +159,22 @@ class KVReelScheduler:
         while n < limit and hashes[n] in self.index:
             n += 1
         start = num_computed_tokens // self.block_size
-        if not st.counted_lookup and limit > max(n, start):
+        n = max(n, start)               # blocks below `start` are in vLLM's own cache already
+        local_end = n
+        if self.remote is not None and n < limit:
+            found = self.remote.poll(request.request_id, hashes[n:limit])
+            if found is None:
+                return None, False      # lookup in flight: vLLM asks again next step
+            n += len(found)
+            self._remote_plans[request.request_id] = found
+        if not st.counted_lookup and limit > n:
             st.counted_lookup = True
-            self.stats.add("lookup_miss_blocks", limit - max(n, start))
+            self.stats.add("lookup_miss_blocks", limit - n)
         if n <= start:
             return 0, False
-        self._planned[request.request_id] = (start, n)
-        needs_disk = any(not self.index[hashes[i]][0].in_host for i in range(start, n))
-        return (n - start) * self.block_size, needs_disk
+        self._planned[request.request_id] = (start, local_end)
+        needs_async = n > local_end or any(not self.index[h][0].in_host for h in hashes[start:local_end])
+        return (n - start) * self.block_size, needs_async
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         st = self.reqs.setdefault(request.request_id, RequestState(request))
@@ -168,9 +183,20 @@ class KVReelScheduler:
             return
         start = plan[0]
         end = start + num_external_tokens // self.block_size
+        remote = self._remote_plans.pop(request.request_id, [])
+        first_remote = plan[1]
         pieces: list[LoadPiece] = []
         chunks: list[Chunk] = []
         for i in range(start, end):
+            if i >= first_remote:
+                key, row = remote[i - first_remote]
+                last = pieces[-1] if pieces else None
+                if last and last.key == key and last.first + len(last.block_ids) == row:
+                    last.block_ids.append(block_ids[i])
+                else:
+                    pieces.append(LoadPiece(key, REMOTE, row, [block_ids[i]]))
+                st.from_remote.add(request.block_hashes[i])
+                continue
             chunk, row = self.index[request.block_hashes[i]]
             tier = HOST if chunk.in_host else DISK
             last = pieces[-1] if pieces else None
@@ -186,7 +212,7 @@ class KVReelScheduler:
                     self.disk.touch(chunk)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
-        is_async = any(p.tier == DISK for p in pieces)
+        is_async = any(p.tier != HOST for p in pieces)
         if is_async:
             self._async_pins[request.request_id] = chunks
             promoted = []
@@ -198,7 +224,9 @@ class KVReelScheduler:
             self._promotions[request.request_id] = promoted
         else:
             self._sync_pins += chunks
-        st.saved_upto = max(st.saved_upto, end)
+        # blocks loaded from the remote tier are saved into the local tiers once
+        # the request runs (they are valid in its blocks then)
+        st.saved_upto = max(st.saved_upto, min(end, first_remote))
         self._loads.append(LoadOp(request.request_id, pieces, is_async))
 
     def planned_tokens_by_tier(self, req_id: str) -> dict[str, int]:
@@ -254,18 +282,24 @@ class KVReelScheduler:
             boundary = (i // self.chunk_blocks + 1) * self.chunk_blocks
             while j < min(full, boundary) and hashes[j] not in self.index:
                 j += 1
-            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j])
+            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j], st.from_remote)
             i = j
         st.saved_upto = max(st.saved_upto, full)
 
-    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int]) -> None:
+    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int], from_remote: set) -> None:
         chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
         chunk.in_host = self.cfg.cpu_bytes > 0 and self._admit(chunk, self.host)
         chunk.in_disk = self.disk is not None and self._admit(chunk, self.disk)
+        to_remote = self.remote is not None and not all(h in from_remote for h in block_hashes)
+        if to_remote:
+            self.stats.add("saved_bytes", chunk.nbytes, REMOTE)
         if not (chunk.in_host or chunk.in_disk):
+            if to_remote:
+                self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, False, False, True)
             return
         self._index(chunk)
-        self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, chunk.in_host, chunk.in_disk)
+        self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, chunk.in_host, chunk.in_disk,
+                                          to_remote)
         self.stats.add("saved_bytes", chunk.nbytes * chunk.in_host, HOST)
         self.stats.add("saved_bytes", chunk.nbytes * chunk.in_disk, DISK)
 
@@ -306,7 +340,7 @@ class KVReelScheduler:
         for h in chunk.block_hashes:
             if self.index.get(h, (None,))[0] is chunk:
                 del self.index[h]
-        if (op := self._stores.get(chunk.key)) is not None and not (op.to_host or op.to_disk):
+        if (op := self._stores.get(chunk.key)) is not None and not (op.to_host or op.to_disk or op.to_remote):
             del self._stores[chunk.key]
 
     def _drop(self, key: bytes) -> None:
@@ -350,6 +384,9 @@ class KVReelScheduler:
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
+        self._remote_plans.pop(request.request_id, None)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
 
     def reset(self) -> bool:
         """Forget every unpinned chunk in every tier (``reset_prefix_cache(reset_connector=True)``)."""

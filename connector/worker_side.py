@@ -14,7 +14,7 @@ import torch
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.disk_tier import ChunkFileError, DiskTier
-from kvreel.connector.metadata import HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
+from kvreel.connector.metadata import DISK, HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
 from kvreel.connector.stats import KVReelStats
 
 logger = logging.getLogger("kvreel.worker")
@@ -28,6 +28,7 @@ class KVReelWorker:
         self.pages: PagedRegions | None = None
         self.host: dict[bytes, torch.Tensor] = {}
         self.disk: DiskTier | None = None
+        self.remote = None
         self._disk_disabled: str | None = None
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
@@ -42,6 +43,12 @@ class KVReelWorker:
         if self.cfg.disk_dir:
             self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
                                  on_error=self._on_disk_error)
+        if self.cfg.remote_url:
+            from kvreel.connector.remote_tier import RemoteTier
+            # each rank holds its own shard of the KV: one namespace per rank
+            ident = self.identity if self.rank == 0 else f"{self.identity}-r{self.rank}"
+            self.remote = RemoteTier(self.cfg.remote_url, ident, self.cfg.remote_timeout_s,
+                                     self.cfg.remote_write_queue)
 
     def _on_disk_error(self, msg: str) -> None:
         self._disk_disabled = msg
@@ -68,10 +75,14 @@ class KVReelWorker:
                     data = self.host.get(piece.key)
                     if data is None:
                         raise ChunkFileError("chunk is no longer in the host tier")
-                else:
+                elif piece.tier == DISK:
                     if self.disk is None:
                         raise ChunkFileError("disk tier is disabled")
                     data = self.disk.read(piece.key)
+                else:
+                    if self.remote is None:
+                        raise ChunkFileError("remote tier is not configured on this worker")
+                    data = self.remote.fetch(piece.key)
                 rows = slice(piece.first, piece.first + len(piece.block_ids))
                 if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
                         data.shape[2] != self.pages.block_bytes or data.shape[1] < rows.stop:
@@ -101,7 +112,7 @@ class KVReelWorker:
     def wait_for_save(self, meta: KVReelMetadata) -> None:
         assert self.pages is not None
         for op in meta.stores:
-            if not (op.to_host or op.to_disk):
+            if not (op.to_host or op.to_disk or op.to_remote):
                 continue
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)
@@ -109,6 +120,8 @@ class KVReelWorker:
                 self.host[op.key] = data
             if op.to_disk and self.disk is not None:
                 self.disk.submit_write(op.key, op.block_hashes, data)
+            if op.to_remote and self.remote is not None:
+                self.remote.submit_upload(op.key, op.block_hashes, data)
             with self._lock:
                 self.stats.add("save_seconds", time.perf_counter() - t0)
                 self.stats.add("save_count")
@@ -149,3 +162,5 @@ class KVReelWorker:
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()

@@ -2,41 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
 
 from kvreel.connector.remote_store import RemoteError, chunk_key, open_store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path), "--requirepass", "s3cret"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield proc, port
-    proc.kill()
-    proc.wait()
 
 
 @pytest.fixture(params=["redis", "file"])

@@ -1,0 +1,61 @@
+"""The remote tier inside real vLLM engines, against a real Redis on loopback:
+a prefix computed by one engine is reused by a fresh one (async load, request
+parked in WAITING_FOR_REMOTE_KVS), exactly; a dead store or a damaged chunk
+costs a recompute, never a wrong token."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import run_scenario, tokens
+
+pytestmark = pytest.mark.vllm
+
+P = tokens(600, 1)
+OTHER = tokens(300, 7)
+
+
+def _cfg(port):
+    # host tier tiny, no disk: after a restart only the remote store holds P
+    return {"cpu_bytes": "0", "remote_url": f"redis://:s3cret@127.0.0.1:{port}/0", "remote_timeout_s": 1.0}
+
+
+def test_prefix_from_another_engine_is_reused_exactly(tiny_model, redis_server):
+    _, port = redis_server
+    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
+        {"prompts": [P]}, {"before": "restart", "prompts": [P, OTHER]}]})
+    assert reel["phases"][0][0] == base["phases"][0][0]
+    again = reel["phases"][1][0]
+    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert again["num_cached_tokens"] == 576
+    assert reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"] == 18
+
+
+def test_dead_store_falls_back_to_recompute(tiny_model, redis_server):
+    proc, port = redis_server
+    cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
+        {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]},
+        {"before": f"shell:kill -9 {proc.pid}", "prompts": [P]}]})
+    assert reel["phases"][2][0] == cold["phases"][0][0]
+    assert "remote lookup failed" in reel["log"]
+
+
+def test_damaged_remote_chunk_is_recomputed(tiny_model, redis_server):
+    _, port = redis_server
+    corrupt = ("shell:" + sys.executable + " -c \"import redis; r=redis.Redis(port=" + str(port) +
+               ", password='s3cret')\nfor k in r.scan_iter('kvreel/*/c/*'):\n"
+               "    n=r.strlen(k); r.setrange(k, n-100, bytes([r.getrange(k,n-100,n-100)[0]^255]))\"")
+    cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
+        {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]},
+        {"before": corrupt, "prompts": [P]}]})
+    after = reel["phases"][2][0]
+    assert after["token_ids"] == cold["phases"][0][0]["token_ids"]
+    assert after["logprobs"] == cold["phases"][0][0]["logprobs"]
+    assert reel["metrics"]["vllm:kvreel_corrupt_chunks_total|remote"] >= 1
+    assert "payload checksum mismatch" in reel["log"]
