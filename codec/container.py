@@ -12,6 +12,7 @@ request. JSON, never pickle: containers arrive from remote stores.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
@@ -75,30 +76,42 @@ class ChunkHeader:
             raise ChunkError(f"unreadable chunk header: {e}") from None
 
 
+def framed_header(magic: bytes, version: int, raw: bytes) -> bytes:
+    """``magic | u16 version | u32 len | raw | u32 crc32(raw)``: how kvreel's
+    containers and disk chunk files both open."""
+    return b"".join([_PREFIX.pack(magic, version, len(raw)), raw, _CRC.pack(zlib.crc32(raw))])
+
+
+def read_framed_header(read, magic: bytes, version: int, limit: int, error: type[Exception], what: str) -> bytes:
+    """The verified raw header from ``read(n)`` (a file's or BytesIO's read)."""
+    prefix = read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size:
+        raise error(f"truncated {what}: no header")
+    got_magic, got_version, hlen = _PREFIX.unpack(prefix)
+    if got_magic != magic:
+        raise error(f"not a kvreel {what} (bad magic)")
+    if got_version != version:
+        raise error(f"unsupported {what} format version {got_version}")
+    if hlen > limit:
+        raise error(f"{what} header of {hlen} bytes exceeds the {limit}-byte limit")
+    raw = read(hlen)
+    crc = read(_CRC.size)
+    if len(raw) < hlen or len(crc) < _CRC.size:
+        raise error(f"truncated header ({what})")
+    if _CRC.unpack(crc)[0] != zlib.crc32(raw):
+        raise error(f"{what} header checksum mismatch")
+    return raw
+
+
 def pack(header: ChunkHeader, sections: list[bytes]) -> bytes:
-    raw = header.to_json()
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(raw)), raw, _CRC.pack(zlib.crc32(raw)), *sections])
+    return b"".join([framed_header(MAGIC, VERSION, header.to_json()), *sections])
 
 
 def unpack_header(data: bytes | memoryview) -> tuple[ChunkHeader, int]:
     """(header, offset of the first section)."""
-    data = memoryview(data)
-    if len(data) < _PREFIX.size:
-        raise ChunkError("truncated chunk: no header")
-    magic, version, hlen = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise ChunkError("not a kvreel chunk (bad magic)")
-    if version != VERSION:
-        raise ChunkError(f"unsupported chunk format version {version}")
-    if hlen > MAX_HEADER_BYTES:
-        raise ChunkError(f"chunk header of {hlen} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
-    end = _PREFIX.size + hlen
-    if len(data) < end + _CRC.size:
-        raise ChunkError("truncated chunk header")
-    raw = bytes(data[_PREFIX.size:end])
-    if _CRC.unpack_from(data, end)[0] != zlib.crc32(raw):
-        raise ChunkError("chunk header checksum mismatch")
-    return ChunkHeader.from_json(raw), end + _CRC.size
+    stream = io.BytesIO(data)
+    raw = read_framed_header(stream.read, MAGIC, VERSION, MAX_HEADER_BYTES, ChunkError, "chunk")
+    return ChunkHeader.from_json(raw), stream.tell()
 
 
 def section_bytes(data: bytes | memoryview, base: int, section: Section, what: str) -> memoryview:

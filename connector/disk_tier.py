@@ -1,6 +1,6 @@
 """Disk tier: one self-checking file per stored chunk.
 
-File layout (little endian)::
+File layout (little endian; the framing is shared with kvreel.codec's container)::
 
     b"KVRL" | u16 version | u32 header_len | header (JSON, UTF-8) | u32 crc32(header) | payload
 
@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import zlib
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from kvreel.codec.container import framed_header, read_framed_header
+
 logger = logging.getLogger("kvreel.disk")
 
 MAGIC = b"KVRL"
 VERSION = 1
-_PREFIX = struct.Struct("<4sHI")
-_CRC = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 
 
@@ -75,26 +74,11 @@ def encode_chunk_file(identity: str, block_hashes: list[bytes], payload: torch.T
     """The pieces of a chunk file, ready for ``writelines`` (payload not copied)."""
     data = memoryview(payload.contiguous().numpy()).cast("B")
     header = ChunkHeader(identity, tuple(block_hashes), tuple(payload.shape), zlib.crc32(data)).to_bytes()
-    return [_PREFIX.pack(MAGIC, VERSION, len(header)), header, _CRC.pack(zlib.crc32(header)), data]
+    return [framed_header(MAGIC, VERSION, header), data]
 
 
 def read_header(f, identity: str | None) -> ChunkHeader:
-    prefix = f.read(_PREFIX.size)
-    if len(prefix) < _PREFIX.size:
-        raise ChunkFileError("truncated before the header")
-    magic, version, hlen = _PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise ChunkFileError("not a kvreel chunk file (bad magic)")
-    if version != VERSION:
-        raise ChunkFileError(f"unsupported chunk file version {version}")
-    if hlen > MAX_HEADER_BYTES:
-        raise ChunkFileError(f"header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit")
-    raw = f.read(hlen)
-    crc = f.read(_CRC.size)
-    if len(raw) < hlen or len(crc) < _CRC.size:
-        raise ChunkFileError("truncated header")
-    if _CRC.unpack(crc)[0] != zlib.crc32(raw):
-        raise ChunkFileError("header checksum mismatch")
+    raw = read_framed_header(f.read, MAGIC, VERSION, MAX_HEADER_BYTES, ChunkFileError, "chunk file")
     header = ChunkHeader.from_bytes(raw)
     if identity is not None and header.identity != identity:
         raise ChunkFileError(f"chunk belongs to another model/layout ({header.identity}, expected {identity})")
