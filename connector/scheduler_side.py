@@ -256,12 +256,25 @@ class KVReelScheduler:
             elif new_ids:
                 st.block_ids += new_ids[0]
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        self._skip_zeroing_of_sync_loads(scheduler_output)
         meta = KVReelMetadata(self._loads, list(self._stores.values()), self._evict_host, self._evict_disk)
         for chunk in self._sync_pins:
             chunk.pins -= 1
         self._loads, self._stores, self._evict_host, self._evict_disk = [], {}, [], []
         self._sync_pins = []
         return meta
+
+    def _skip_zeroing_of_sync_loads(self, scheduler_output) -> None:
+        """Blocks a host load overwrites completely before the forward pass need
+        not be zeroed first (the one change to scheduler_output vLLM allows
+        synchronous loaders); a failed load is recomputed, which rewrites every
+        position of these full blocks."""
+        to_zero = scheduler_output.new_block_ids_to_zero
+        if not to_zero:
+            return
+        loaded = {b for op in self._loads if not op.is_async for p in op.pieces for b in p.block_ids}
+        if loaded:
+            scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
 
     def _plan_saves(self, st: RequestState, computed_after: int) -> None:
         """Store the request's full blocks computed by the end of this step.
