@@ -215,13 +215,6 @@ class KVReelScheduler:
         is_async = any(p.tier != HOST for p in pieces)
         if is_async:
             self._async_pins[request.request_id] = chunks
-            promoted = []
-            for chunk in chunks:
-                if not chunk.in_host and chunk not in promoted and self._admit(chunk, self.host):
-                    promoted.append(chunk)
-            for p in pieces:
-                p.promote_to_host = any(c.key == p.key for c in promoted)
-            self._promotions[request.request_id] = promoted
         else:
             self._sync_pins += chunks
         # blocks loaded from the remote tier are saved into the local tiers once
@@ -256,6 +249,7 @@ class KVReelScheduler:
             elif new_ids:
                 st.block_ids += new_ids[0]
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        self._plan_promotions()
         self._skip_zeroing_of_sync_loads(scheduler_output)
         meta = KVReelMetadata(self._loads, list(self._stores.values()), self._evict_host, self._evict_disk)
         for chunk in self._sync_pins:
@@ -263,6 +257,20 @@ class KVReelScheduler:
         self._loads, self._stores, self._evict_host, self._evict_disk = [], {}, [], []
         self._sync_pins = []
         return meta
+
+    def _plan_promotions(self) -> None:
+        """Disk chunks loaded this step also go back into the host tier, room
+        permitting. Done once every load of the step is planned (and its chunks
+        pinned), so making room can never evict a chunk another request is
+        about to load."""
+        for op in self._loads:
+            if not op.is_async:
+                continue
+            promoted = [c for c in self._async_pins.get(op.req_id, ())
+                        if not c.in_host and c.key not in self.host.lru and self._admit(c, self.host)]
+            for p in op.pieces:
+                p.promote_to_host = any(c.key == p.key for c in promoted)
+            self._promotions[op.req_id] = promoted
 
     def _skip_zeroing_of_sync_loads(self, scheduler_output) -> None:
         """Blocks a host load overwrites completely before the forward pass need
