@@ -38,6 +38,11 @@ class ChunkFileError(Exception):
     """A chunk file is damaged, truncated or belongs to another model/layout."""
 
 
+class ChunkUnavailable(ChunkFileError):
+    """A chunk could not be read at all (missing, tier disabled, store unreachable):
+    a failed load, but not a damaged chunk."""
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     identity: str
@@ -214,9 +219,9 @@ class DiskTier:
         try:
             _, payload = read_chunk_file(self.path(key), self.identity)
         except FileNotFoundError:
-            raise ChunkFileError("chunk file is missing") from None
+            raise ChunkUnavailable("chunk file is missing") from None
         except OSError as e:
-            raise ChunkFileError(f"cannot read chunk file: {e}") from None
+            raise ChunkUnavailable(f"cannot read chunk file: {e}") from None
         return payload
 
     def close(self) -> None:

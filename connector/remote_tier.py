@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvreel.connector.disk_tier import ChunkFileError, encode_chunk_file, read_chunk
+from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, encode_chunk_file, read_chunk
 from kvreel.connector.remote_store import RemoteError, block_key, chunk_key, open_store
 
 logger = logging.getLogger("kvreel.remote")
@@ -143,9 +143,9 @@ class RemoteTier:
         try:
             data = self.store.get(chunk_key(self.identity, key))
         except RemoteError as e:
-            raise ChunkFileError(f"remote store: {e}") from None
+            raise ChunkUnavailable(f"remote store: {e}") from None
         if data is None:
-            raise ChunkFileError("chunk is missing from the remote store")
+            raise ChunkUnavailable("chunk is missing from the remote store")
         try:
             return read_chunk(io.BytesIO(data), self.identity)[1]
         except ChunkFileError:

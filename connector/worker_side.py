@@ -13,7 +13,7 @@ import torch
 
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.disk_tier import ChunkFileError, DiskTier
+from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, DiskTier
 from kvreel.connector.metadata import DISK, HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
 from kvreel.connector.stats import KVReelStats
 
@@ -74,14 +74,14 @@ class KVReelWorker:
                 if piece.tier == HOST:
                     data = self.host.get(piece.key)
                     if data is None:
-                        raise ChunkFileError("chunk is no longer in the host tier")
+                        raise ChunkUnavailable("chunk is no longer in the host tier")
                 elif piece.tier == DISK:
                     if self.disk is None:
-                        raise ChunkFileError("disk tier is disabled")
+                        raise ChunkUnavailable("disk tier is disabled")
                     data = self.disk.read(piece.key)
                 else:
                     if self.remote is None:
-                        raise ChunkFileError("remote tier is not configured on this worker")
+                        raise ChunkUnavailable("remote tier is not configured on this worker")
                     data = self.remote.fetch(piece.key)
                 rows = slice(piece.first, piece.first + len(piece.block_ids))
                 if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
@@ -94,13 +94,15 @@ class KVReelWorker:
                 with self._lock:
                     self._load_errors.update(piece.block_ids)
                     self._bad_keys.add(piece.key)
-                    self.stats.add("corrupt_chunks", label=piece.tier)
+                    if not isinstance(e, ChunkUnavailable):
+                        self.stats.add("corrupt_chunks", label=piece.tier)
                     self.stats.add("load_errors", len(piece.block_ids))
                     first_report = piece.key not in self._reported_bad
                     self._reported_bad.add(piece.key)
                 if first_report:
-                    logger.warning("kvreel: rejected %s chunk %s (%s); its %d blocks will be recomputed",
-                                   piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
+                    what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
+                    logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
+                                   what, piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
                 continue
             with self._lock:
                 nbytes = len(piece.block_ids) * self.pages.bytes_per_block
