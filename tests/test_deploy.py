@@ -54,3 +54,16 @@ def test_dockerfiles_pass_hadolint():
     proc = subprocess.run([exe, "--no-color", str(DEPLOY / "Dockerfile.cpu"), str(DEPLOY / "Dockerfile.gpu")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import json
+    from kvreel.connector.stats import COUNTERS
+    dash = json.loads((DEPLOY / "grafana-kvreel.json").read_text())
+    exported = {prom for prom, _, _ in COUNTERS.values()}
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"vllm:kvreel_[a-z_]+", target["expr"]))
+    assert used and used <= exported, used - exported
+    assert exported <= used, f"metrics without a panel: {exported - used}"
