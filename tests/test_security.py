@@ -1,0 +1,46 @@
+"""Untrusted bytes (files, store values, containers) are bounded and never unpickled."""
+
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvreel.codec import ChunkError, decode_chunk
+from kvreel.connector.disk_tier import MAGIC as FILE_MAGIC
+from kvreel.connector.disk_tier import ChunkFileError, read_chunk_file
+from kvreel.connector.remote_store import RemoteError, open_store
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_no_unpickling_in_the_package():
+    for folder in ("connector", "codec", "scheduler"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            assert not re.search(r"\bimport pickle\b|\bpickle\.loads?\b|\btorch\.load\b|\bmarshal\b", text), path
+
+
+def test_oversized_headers_are_refused_before_reading_them(tmp_path):
+    huge = struct.pack("<4sHI", b"KVRC", 1, 1 << 30)
+    with pytest.raises(ChunkError, match="exceeds"):
+        decode_chunk(huge + b"x" * 16)
+    path = tmp_path / "f.kvr"
+    path.write_bytes(struct.pack("<4sHI", FILE_MAGIC, 1, 1 << 30) + b"x" * 16)
+    with pytest.raises(ChunkFileError, match="exceeds"):
+        read_chunk_file(path, "m")
+
+
+def test_store_values_over_the_limit_are_not_fetched(redis_server):
+    import redis
+    _, port = redis_server
+    redis.Redis(port=port, password="s3cret").set("kvreel/m/c/big", b"x" * 5000)
+    store = open_store(f"redis://:s3cret@127.0.0.1:{port}/0", max_value_bytes=4096)
+    with pytest.raises(RemoteError, match="over the 4096-byte limit"):
+        store.get("kvreel/m/c/big")
+
+
+def test_servers_started_by_kvreel_bind_loopback():
+    cli = (ROOT / "connector" / "cli.py").read_text()
+    assert '"--host", "127.0.0.1"' in cli
+    assert "0.0.0.0" not in cli
