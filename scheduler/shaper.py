@@ -44,12 +44,15 @@ class Shaper:
     """Downstream (upstream -> client) bytes pass the token bucket; requests flow freely."""
 
     def __init__(self, upstream: tuple[str, int], rate_Bps: float, *, trace: list[tuple[float, float]] | None = None,
-                 jitter: float = 0.0, chunk: int = 16 * 1024, seed: int = 0):
+                 jitter: float = 0.0, chunk: int = 16 * 1024, seed: int = 0, cut_after_bytes: int | None = None):
+        """``cut_after_bytes``: drop every connection once that many bytes went
+        downstream on it (a link cut mid-transfer, for fault tests)."""
         self.upstream = upstream
         self.bucket = TokenBucket(rate_Bps, burst=max(chunk, 64 * 1024))
         self.trace = trace or []            # [(seconds, rate_Bps), ...] replayed in a loop
         self.jitter = jitter
         self.chunk = chunk
+        self.cut_after_bytes = cut_after_bytes
         self._rng = random.Random(seed)
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,13 +102,18 @@ class Shaper:
                 threading.Thread(target=self._pipe, args=(src, dst, shaped), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, shaped: bool) -> None:
+        sent = 0
         try:
             while not self._stop.is_set():
                 data = src.recv(self.chunk)
                 if not data:
                     break
                 if shaped:
+                    if self.cut_after_bytes is not None and sent + len(data) > self.cut_after_bytes:
+                        dst.sendall(data[: max(0, self.cut_after_bytes - sent)])
+                        break
                     self.bucket.take(len(data))
+                    sent += len(data)
                 dst.sendall(data)
         except OSError:
             pass

@@ -1,0 +1,58 @@
+"""Remote-tier transport faults, through the loopback shaper in front of a real
+Redis: every one ends in a bounded time as a failed load (recompute), never a hang."""
+
+import time
+
+import pytest
+import torch
+
+from kvreel.connector.disk_tier import ChunkUnavailable
+from kvreel.connector.remote_tier import RemoteLookups, RemoteTier
+from kvreel.scheduler.shaper import Shaper
+
+ID = "model-r"
+KEY = b"\x05" * 32
+HASHES = [bytes([i]) * 32 for i in range(4)]
+
+
+def payload():
+    return torch.randint(0, 256, (2, 4, 64 * 1024), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+
+def url(port):
+    return f"redis://:s3cret@127.0.0.1:{port}/0"
+
+
+def test_write_behind_drains_on_close_and_round_trips(redis_server):
+    _, port = redis_server
+    tier = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
+    data = payload()
+    assert tier.submit_upload(KEY, HASHES, data)
+    tier.close()                                          # a clean shutdown flushes the queue
+    reader = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
+    assert torch.equal(reader.fetch(KEY), data)
+    reader.close()
+    lookups = RemoteLookups(url(port), ID, timeout_s=2)
+    assert lookups.poll("r", HASHES + [b"\xee" * 32]) is None   # in flight
+    deadline = time.monotonic() + 5
+    while (found := lookups.poll("r", HASHES + [b"\xee" * 32])) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert found == [(KEY, row) for row in range(4)]
+    lookups.close()
+
+
+@pytest.mark.parametrize("fault", ["cut mid-chunk", "too slow for the timeout"])
+def test_transport_faults_fail_the_load_in_bounded_time(redis_server, fault):
+    _, port = redis_server
+    up = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
+    up.submit_upload(KEY, HASHES, payload())
+    up.close()
+    kw = {"cut_after_bytes": 100_000} if fault == "cut mid-chunk" else {}
+    rate = 1e9 if fault == "cut mid-chunk" else 20_000          # 20 kB/s: 512 KiB needs ~26 s
+    with Shaper(("127.0.0.1", port), rate_Bps=rate, **kw) as proxy:
+        tier = RemoteTier(url(proxy.port), ID, timeout_s=0.5, queue_size=2)
+        t0 = time.monotonic()
+        with pytest.raises(ChunkUnavailable, match="remote store"):
+            tier.fetch(KEY)
+        assert time.monotonic() - t0 < 5
+        tier.close(drain_timeout_s=1)
