@@ -12,7 +12,6 @@ is never slower than a raw fetch.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 
@@ -29,23 +28,6 @@ class BandwidthEstimator:
         if nbytes > 0 and seconds > 0:
             self.Bps = (1 - self.alpha) * self.Bps + self.alpha * (nbytes / seconds)
         return self.Bps
-
-    def timed(self):
-        """``with est.timed() as t: ...; t.nbytes = n`` records one transfer."""
-        return _Timed(self)
-
-
-class _Timed:
-    def __init__(self, est):
-        self.est, self.nbytes = est, 0
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is None:
-            self.est.observe(self.nbytes, time.perf_counter() - self.t0)
 
 
 @dataclass(frozen=True)
