@@ -381,18 +381,13 @@ class KVReelScheduler:
             if meta.disk_disabled and self.disk is not None:
                 logger.error("kvreel: disk tier disabled by a worker: %s", meta.disk_disabled)
                 for chunk in list(self.disk.lru.values()):
-                    chunk.in_disk = False
-                    if not chunk.in_host:
-                        self._forget(chunk)
+                    self._lose_disk_copy(chunk)
                 self.disk = None
             for key in meta.failed_disk_keys:
                 self.stats.add("disk_write_failures")
                 entry = self.index.get(key)
                 if entry and self.disk is not None and entry[0].in_disk:
-                    self.disk.remove(entry[0])
-                    entry[0].in_disk = False
-                    if not entry[0].in_host:
-                        self._forget(entry[0])
+                    self._lose_disk_copy(entry[0])
             for key in meta.bad_keys:
                 self._drop(key)
         for req_id in output.finished_recving or ():
@@ -401,6 +396,13 @@ class KVReelScheduler:
             for chunk in self._promotions.pop(req_id, ()):
                 if chunk.key in self.host.lru and self.index.get(chunk.key, (None,))[0] is chunk:
                     chunk.in_host = True
+
+    def _lose_disk_copy(self, chunk: Chunk) -> None:
+        """The disk copy is gone (never written, or the tier broke): no delete to send."""
+        self.disk.remove(chunk)
+        chunk.in_disk = False
+        if not chunk.in_host:
+            self._forget(chunk)
 
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
