@@ -18,12 +18,16 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
-             max_num_seqs: int = 16, max_model_len: int = 4096):
+             max_num_seqs: int = 16, max_model_len: int = 4096, connector: dict | None = None):
+    """An engine with kvreel (``kvreel``: its extra config) or another connector
+    (``connector``: a whole kv_transfer_config), or neither."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
     kw = {}
     if kvreel is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=kvreel)
+    elif connector is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**connector)
     if num_blocks:
         kw["num_gpu_blocks_override"] = num_blocks
         max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
@@ -75,7 +79,7 @@ def scenario(args: dict) -> dict:
     kvreel = args.get("kvreel")
     out = {"phases": []}
     llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
-                   max_num_seqs=args.get("max_num_seqs", 16))
+                   max_num_seqs=args.get("max_num_seqs", 16), connector=args.get("connector"))
     for phase in args["phases"]:
         action = phase.get("before")
         if action == "reset_prefix_cache":
