@@ -78,6 +78,29 @@ def _remote_url(text: str) -> str | None:
     return text
 
 
+REMOTE_FORMS = ("raw", "zstd", "video")
+
+
+def _forms(text: str) -> tuple[str, ...]:
+    forms = tuple(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
+    if "raw" not in forms or any(f not in REMOTE_FORMS for f in forms):
+        raise ValueError(text)
+    return forms
+
+
+def _resolutions(text: str) -> tuple[int, ...]:
+    out = tuple(sorted({int(r) for r in text.split(",") if r.strip()}))
+    if not out or any(not 144 <= r <= 4096 for r in out):
+        raise ValueError(text)
+    return out
+
+
+def _fetch_form(text: str) -> str:
+    if text != "auto" and text not in ("raw", "zstd") and not re.fullmatch(r"video@\d+", text):
+        raise ValueError(text)
+    return text
+
+
 SETTINGS: tuple[Setting, ...] = (
     _bytes_setting("CPU_BYTES", 4 * 1024**3,
                    "Host-memory tier size per worker (pinned on CUDA). 0 disables the host tier."),
@@ -96,6 +119,22 @@ SETTINGS: tuple[Setting, ...] = (
             lambda v: 0 < v <= 60),
     _int_setting("REMOTE_WRITE_QUEUE", 64, "Chunks waiting for the background remote uploader before new "
                  "uploads are dropped (never blocking the forward pass).", 1, 1 << 16),
+    Setting("REMOTE_FORMS", _forms, ("raw", "zstd"), "a comma list of raw, zstd, video that includes raw",
+            "Forms each remote chunk is stored in; a fetch picks one per chunk. raw is the exact fallback; "
+            "video (lossless HEVC, decoded on NVDEC) pays off where decoders outpace the link; its encode "
+            "costs CPU time in the uploader unless NVENC is present."),
+    Setting("REMOTE_QUANT", str, "none", "none or int8",
+            "Quantizer of the video form: none is exact, int8 is smaller and lossy (per-channel min-max).",
+            lambda v: v in ("none", "int8")),
+    Setting("REMOTE_RESOLUTIONS", _resolutions, (256, 512), "a comma list of frame sides in [144, 4096]",
+            "Resolutions the video form is stored at (one bitstream each); the fetcher picks per chunk."),
+    Setting("FETCH_FORM", _fetch_form, "auto", "auto, raw, zstd or video@<resolution>",
+            "auto: per chunk, the stored form with the least transfer/decode time at the measured bandwidth "
+            "and decoder load (KVFetcher Alg. 1 plus format choice); otherwise always this form."),
+    Setting("FETCH_POLICY", str, "fair", "fair or fcfs",
+            "How concurrent remote fetches share the link: fair (round-robin by request) or fcfs.",
+            lambda v: v in ("fair", "fcfs")),
+    _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once (each also decodes its chunk).", 1, 64),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -110,6 +149,12 @@ class KVReelConfig:
     remote_url: str | None
     remote_timeout_s: float
     remote_write_queue: int
+    remote_forms: tuple[str, ...]
+    remote_quant: str
+    remote_resolutions: tuple[int, ...]
+    fetch_form: str
+    fetch_policy: str
+    fetch_streams: int
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None,
@@ -139,7 +184,21 @@ class KVReelConfig:
                 raise ConfigError(f"{source}={text!r} is invalid: expected {setting.accepts}")
             values[setting.name.lower()] = value
         assert {f.name for f in fields(cls)} == set(values)
-        return cls(**values)
+        cfg = cls(**values)
+        cfg._check_combination()
+        return cfg
+
+    def _check_combination(self) -> None:
+        if self.remote_quant != "none" and "video" not in self.remote_forms:
+            raise ConfigError(f"{PREFIX}REMOTE_QUANT={self.remote_quant!r} quantizes the video form: "
+                              f"add video to {PREFIX}REMOTE_FORMS")
+        form = self.fetch_form.split("@")[0]
+        if self.fetch_form != "auto" and form not in self.remote_forms:
+            raise ConfigError(f"{PREFIX}FETCH_FORM={self.fetch_form!r} is not a stored form "
+                              f"({PREFIX}REMOTE_FORMS={','.join(self.remote_forms)})")
+        if form == "video" and int(self.fetch_form.split("@")[1]) not in self.remote_resolutions:
+            raise ConfigError(f"{PREFIX}FETCH_FORM={self.fetch_form!r} is not a stored resolution "
+                              f"({PREFIX}REMOTE_RESOLUTIONS={','.join(map(str, self.remote_resolutions))})")
 
 
 def _known(name: str, shown: str) -> str:
@@ -156,6 +215,7 @@ def settings_table_markdown() -> str:
     rows = ["| variable | default | accepts | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
         default = "unset" if s.default is None else (
-            format_bytes(s.default) if s.parse is parse_bytes else str(s.default))
+            format_bytes(s.default) if s.parse is parse_bytes else
+            ",".join(map(str, s.default)) if isinstance(s.default, tuple) else str(s.default))
         rows.append(f"| `{PREFIX}{s.name}` | {default} | {s.accepts} | {s.doc} |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ the forward pass, drained on clean shutdown) and fetches chunks for async loads.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import queue
 import struct
@@ -23,7 +24,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import zstandard
 
+from kvreel.codec import ChunkError, decode_chunk, encode_chunk, read_header
 from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, encode_chunk_file, read_chunk
 from kvreel.connector.remote_store import RemoteError, block_key, chunk_key, open_store
 
@@ -98,16 +101,38 @@ class RemoteLookups:
         self.store.close()
 
 
-class RemoteTier:
-    """Worker side: write-behind uploads and verified fetches."""
+def form_key(identity: str, form: str, key: bytes) -> str:
+    """Store key of one stored form of a chunk (the raw form is ``chunk_key``)."""
+    if form == "raw":
+        return chunk_key(identity, key)
+    return f"kvreel/{identity}/{form.replace('@', '')}/{key.hex()}"
 
-    def __init__(self, url: str, identity: str, timeout_s: float, queue_size: int):
+
+def manifest_key(identity: str, key: bytes) -> str:
+    return f"kvreel/{identity}/m/{key.hex()}"
+
+
+class RemoteTier:
+    """Worker side: write-behind uploads of every configured form, verified fetches.
+
+    Each chunk is stored as the raw chunk file (exact; the fallback every fetch
+    can use), optionally zstd of that file and lossless-video containers at each
+    resolution (``video@256``...), plus a small JSON manifest of the stored
+    forms and their sizes that the fetch controller chooses from."""
+
+    def __init__(self, url: str, identity: str, timeout_s: float, queue_size: int, *,
+                 forms: tuple[str, ...] = ("raw",), quant: str = "none", resolutions: tuple[int, ...] = (256,),
+                 kv_view=None):
         self.identity = identity
         self.store = open_store(url, timeout_s=timeout_s)
+        self.forms, self.quant, self.resolutions, self.kv_view = forms, quant, resolutions, kv_view
+        if "video" in forms and kv_view is None:
+            raise ValueError("the video form needs the engine's page geometry")
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._log = _Throttled()
         self.failed_uploads = 0
         self.dropped_uploads = 0
+        self._reported_failures = 0
         self._thread = threading.Thread(target=self._run, name="kvreel-remote-upload", daemon=True)
         self._thread.start()
 
@@ -120,6 +145,18 @@ class RemoteTier:
             self._log.warn("kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
             return False
 
+    def encode_forms(self, block_hashes: list[bytes], payload: torch.Tensor) -> dict[str, bytes]:
+        """Every configured form of one chunk: form name -> stored bytes."""
+        raw = b"".join(bytes(p) for p in encode_chunk_file(self.identity, block_hashes, payload))
+        out = {"raw": raw}
+        if "zstd" in self.forms:
+            out["zstd"] = zstandard.ZstdCompressor(level=3).compress(raw)
+        if "video" in self.forms:
+            kv = self.kv_view.to_kv(payload)
+            for r in self.resolutions:
+                out[f"video@{r}"] = encode_chunk(kv, quant=self.quant, resolutions=(r,), model=self.identity)
+        return out
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -127,8 +164,11 @@ class RemoteTier:
                 if item is None:
                     return
                 key, hashes, payload = item
-                data = b"".join(bytes(p) for p in encode_chunk_file(self.identity, hashes, payload))
-                self.store.put(chunk_key(self.identity, key), data)
+                forms = self.encode_forms(hashes, payload)
+                self.store.put_many({form_key(self.identity, f, key): v for f, v in forms.items()})
+                manifest = {"forms": {f: len(v) for f, v in forms.items()}, "quant": self.quant,
+                            "payload": list(payload.shape)}
+                self.store.put(manifest_key(self.identity, key), json.dumps(manifest).encode())
                 # pointers after the chunk: a reader never sees a pointer to a missing chunk
                 self.store.put_many({block_key(self.identity, h): _POINTER.pack(key, row)
                                      for row, h in enumerate(hashes)})
@@ -138,22 +178,75 @@ class RemoteTier:
             finally:
                 self._queue.task_done()
 
-    def fetch(self, key: bytes) -> torch.Tensor:
-        """The verified payload [regions, blocks, block_bytes] of a remote chunk."""
+    def manifests(self, keys: list[bytes]) -> list[dict[str, int]]:
+        """Stored forms and sizes of each chunk (one round trip); a chunk whose
+        manifest is missing or unreadable offers only its raw form."""
         try:
-            data = self.store.get(chunk_key(self.identity, key))
+            values = self.store.get_many([manifest_key(self.identity, k) for k in keys])
+        except RemoteError:
+            values = [None] * len(keys)
+        out = []
+        for v in values:
+            forms = {}
+            try:
+                forms = {str(f): int(n) for f, n in json.loads(v)["forms"].items()} if v else {}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                pass
+            forms.setdefault("raw", 0)
+            out.append(forms)
+        return out
+
+    def get_form(self, key: bytes, form: str) -> bytes:
+        try:
+            data = self.store.get(form_key(self.identity, form, key))
         except RemoteError as e:
             raise ChunkUnavailable(f"remote store: {e}") from None
         if data is None:
-            raise ChunkUnavailable("chunk is missing from the remote store")
-        try:
+            raise ChunkUnavailable(f"the {form} form is missing from the remote store")
+        return data
+
+    def decode_form(self, form: str, data: bytes, payload_shape: tuple[int, ...] | None = None,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+        """The verified payload [regions, blocks, block_bytes] from one stored form."""
+        if form == "zstd":
+            try:
+                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=self.store.max_value_bytes)
+            except zstandard.ZstdError as e:
+                raise ChunkFileError(f"zstd form: {e}") from None
+        if form in ("raw", "zstd"):
             return read_chunk(io.BytesIO(data), self.identity)[1]
+        try:
+            if read_header(data).model != self.identity:
+                raise ChunkFileError("video form belongs to another model/layout")
+            kv = decode_chunk(data, device=device)
+        except ChunkError as e:
+            raise ChunkFileError(f"{form} form: {e}") from None
+        payload = self.kv_view.to_payload(kv.cpu())
+        if payload_shape is not None and tuple(payload.shape) != tuple(payload_shape):
+            raise ChunkFileError(f"{form} form decodes to {tuple(payload.shape)}, expected {tuple(payload_shape)}")
+        return payload
+
+    def fetch(self, key: bytes, form: str = "raw") -> torch.Tensor:
+        """The verified payload of a remote chunk in one form (damaged forms are deleted)."""
+        data = self.get_form(key, form)
+        try:
+            return self.decode_form(form, data)
         except ChunkFileError:
-            try:   # a damaged chunk is removed so that lookups stop offering it
-                self.store.delete(chunk_key(self.identity, key))
-            except RemoteError:
-                pass
+            self.drop_form(key, form)
             raise
+
+    def drop_form(self, key: bytes, form: str) -> None:
+        """Remove a damaged form so that lookups/fetches stop offering it."""
+        try:
+            self.store.delete(form_key(self.identity, form, key))
+        except RemoteError:
+            pass
+
+    def take_upload_failures(self) -> int:
+        """Uploads failed or dropped since the last call (for the metrics)."""
+        total = self.failed_uploads + self.dropped_uploads
+        n, self._reported_failures = total - self._reported_failures, total
+        return n
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
         """Drain pending uploads (bounded), then stop."""

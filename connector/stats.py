@@ -25,6 +25,11 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "corrupt_chunks": ("vllm:kvreel_corrupt_chunks_total", "Damaged, truncated or foreign chunks rejected", ("tier",)),
     "load_errors": ("vllm:kvreel_load_error_blocks_total", "Blocks reported to vLLM as failed loads (recomputed)", ()),
     "disk_write_failures": ("vllm:kvreel_disk_write_failures_total", "Chunk writes that did not reach the disk", ()),
+    "remote_fetches": ("vllm:kvreel_remote_fetches_total", "Remote chunks fetched, by stored form", ("form",)),
+    "remote_fetch_bytes": ("vllm:kvreel_remote_fetch_bytes_total", "Bytes fetched from the remote store, by form",
+                           ("form",)),
+    "remote_upload_failures": ("vllm:kvreel_remote_upload_failures_total",
+                               "Chunks the remote uploader failed to store or dropped (queue full)", ()),
 }
 
 

@@ -5,6 +5,7 @@ scheduler side planned, and reports what failed."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,7 +15,7 @@ import torch
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, DiskTier
-from kvreel.connector.metadata import DISK, HOST, KVReelMetadata, KVReelWorkerMeta, LoadOp
+from kvreel.connector.metadata import HOST, REMOTE, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
 from kvreel.connector.stats import KVReelStats
 
 logger = logging.getLogger("kvreel.worker")
@@ -29,8 +30,10 @@ class KVReelWorker:
         self.host: dict[bytes, torch.Tensor] = {}
         self.disk: DiskTier | None = None
         self.remote = None
+        self.fetcher = None
         self._disk_disabled: str | None = None
-        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvreel-load")
+        # async loads mostly wait on the disk or the fetch controller: one thread per parked request
+        self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -44,11 +47,33 @@ class KVReelWorker:
             self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
                                  on_error=self._on_disk_error)
         if self.cfg.remote_url:
-            from kvreel.connector.remote_tier import RemoteTier
-            # each rank holds its own shard of the KV: one namespace per rank
-            ident = self.identity if self.rank == 0 else f"{self.identity}-r{self.rank}"
-            self.remote = RemoteTier(self.cfg.remote_url, ident, self.cfg.remote_timeout_s,
-                                     self.cfg.remote_write_queue)
+            self._start_remote(kv_cache_config)
+
+    def _start_remote(self, kv_cache_config) -> None:
+        from kvreel.connector.block_copy import KVView
+        from kvreel.connector.remote_tier import RemoteTier
+        from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
+        from kvreel.scheduler.fetch_controller import FetchController
+        cfg, pages = self.cfg, self.pages
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        kv_view = KVView(pages.block_bytes, spec) if "video" in cfg.remote_forms else None
+        # each rank holds its own shard of the KV: one namespace per rank
+        ident = self.identity if self.rank == 0 else f"{self.identity}-r{self.rank}"
+        self.remote = RemoteTier(cfg.remote_url, ident, cfg.remote_timeout_s, cfg.remote_write_queue,
+                                 forms=cfg.remote_forms, quant=cfg.remote_quant,
+                                 resolutions=cfg.remote_resolutions, kv_view=kv_view)
+        chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
+        device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
+        profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
+        fixed = None if cfg.fetch_form == "auto" else cfg.fetch_form
+        self.fetcher = FetchController(self.remote, profile, streams=cfg.fetch_streams,
+                                       policy=cfg.fetch_policy, fixed_form=fixed)
+        payload = synthetic_payload(torch.Size(chunk_shape))
+        names = [f for f in ("raw", "zstd") if f in cfg.remote_forms] + \
+            [f"video@{r}" for r in cfg.remote_resolutions if "video" in cfg.remote_forms]
+        threading.Thread(target=profile.measure, name="kvreel-decode-profile", daemon=True, args=(
+            names, lambda: self.remote.encode_forms([bytes(32)] * chunk_shape[1], payload),
+            self.remote.decode_form)).start()
 
     def _on_disk_error(self, msg: str) -> None:
         self._disk_disabled = msg
@@ -68,47 +93,73 @@ class KVReelWorker:
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
+        remote = [p for p in op.pieces if p.tier == REMOTE]
         for piece in op.pieces:
+            if piece.tier == REMOTE:
+                continue
             t0 = time.perf_counter()
             try:
                 if piece.tier == HOST:
                     data = self.host.get(piece.key)
                     if data is None:
                         raise ChunkUnavailable("chunk is no longer in the host tier")
-                elif piece.tier == DISK:
+                else:
                     if self.disk is None:
                         raise ChunkUnavailable("disk tier is disabled")
                     data = self.disk.read(piece.key)
-                else:
-                    if self.remote is None:
-                        raise ChunkUnavailable("remote tier is not configured on this worker")
-                    data = self.remote.fetch(piece.key)
-                rows = slice(piece.first, piece.first + len(piece.block_ids))
-                if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
-                        data.shape[2] != self.pages.block_bytes or data.shape[1] < rows.stop:
-                    raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
-                self.pages.scatter(data, piece.block_ids, rows)
-                if piece.promote_to_host:
-                    self.host[piece.key] = data
+                self._restore(piece, data, t0)
             except ChunkFileError as e:
-                with self._lock:
-                    self._load_errors.update(piece.block_ids)
-                    self._bad_keys.add(piece.key)
-                    if not isinstance(e, ChunkUnavailable):
-                        self.stats.add("corrupt_chunks", label=piece.tier)
-                    self.stats.add("load_errors", len(piece.block_ids))
-                    first_report = piece.key not in self._reported_bad
-                    self._reported_bad.add(piece.key)
-                if first_report:
-                    what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
-                    logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
-                                   what, piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
-                continue
+                self._failed(piece, e)
+        if remote:
+            self._load_remote(op.req_id, remote)
+
+    def _load_remote(self, req_id: str, pieces: list[LoadPiece]) -> None:
+        """Stream the remote pieces through the fetch controller, restoring each as it arrives."""
+        if self.remote is None:
+            for piece in pieces:
+                self._failed(piece, ChunkUnavailable("remote tier is not configured on this worker"))
+            return
+        t0 = time.perf_counter()
+
+        def on_chunk(r):
+            piece = pieces[r.index]
             with self._lock:
-                nbytes = len(piece.block_ids) * self.pages.bytes_per_block
-                self.stats.add("loaded_bytes", nbytes, piece.tier)
-                self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
-                self.stats.add("load_count", 1, piece.tier)
+                self.stats.add("remote_fetches", 1, r.form)
+                self.stats.add("remote_fetch_bytes", r.wire_bytes, r.form)
+            try:
+                if r.error is not None:
+                    raise r.error if isinstance(r.error, ChunkFileError) else ChunkUnavailable(str(r.error))
+                self._restore(piece, r.payload, t0)
+            except ChunkFileError as e:
+                self._failed(piece, e)
+        self.fetcher.fetch(req_id, [p.key for p in pieces], on_chunk)
+
+    def _restore(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
+        rows = slice(piece.first, piece.first + len(piece.block_ids))
+        if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
+                data.shape[2] != self.pages.block_bytes or data.shape[1] < rows.stop:
+            raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
+        self.pages.scatter(data, piece.block_ids, rows)
+        if piece.promote_to_host:
+            self.host[piece.key] = data
+        with self._lock:
+            self.stats.add("loaded_bytes", len(piece.block_ids) * self.pages.bytes_per_block, piece.tier)
+            self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
+            self.stats.add("load_count", 1, piece.tier)
+
+    def _failed(self, piece: LoadPiece, e: ChunkFileError) -> None:
+        with self._lock:
+            self._load_errors.update(piece.block_ids)
+            self._bad_keys.add(piece.key)
+            if not isinstance(e, ChunkUnavailable):
+                self.stats.add("corrupt_chunks", label=piece.tier)
+            self.stats.add("load_errors", len(piece.block_ids))
+            first_report = piece.key not in self._reported_bad
+            self._reported_bad.add(piece.key)
+        if first_report:
+            what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
+            logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
+                           what, piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
 
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
@@ -155,6 +206,10 @@ class KVReelWorker:
 
     def take_stats(self) -> KVReelStats | None:
         with self._lock:
+            if self.remote is not None:
+                failures = self.remote.take_upload_failures()
+                if failures:
+                    self.stats.add("remote_upload_failures", failures)
             return self.stats.take()
 
     def shutdown(self) -> None:
@@ -164,5 +219,7 @@ class KVReelWorker:
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.remote is not None:
             self.remote.close()

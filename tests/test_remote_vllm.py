@@ -59,3 +59,37 @@ def test_damaged_remote_chunk_is_recomputed(tiny_model, redis_server):
     assert after["logprobs"] == cold["phases"][0][0]["logprobs"]
     assert reel["metrics"]["vllm:kvreel_corrupt_chunks_total|remote"] >= 1
     assert "payload checksum mismatch" in reel["log"]
+
+
+@pytest.mark.parametrize("form", ["zstd", "video@256"])
+def test_every_stored_form_restores_exactly(tiny_model, redis_server, form):
+    """Chunks stored raw + zstd + lossless video; the second engine fetches them in
+    one fixed form (KVREEL_FETCH_FORM) and gets bit-identical outputs."""
+    _, port = redis_server
+    cfg = {**_cfg(port), "remote_forms": "raw,zstd,video", "remote_resolutions": "256", "fetch_form": form}
+    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
+        {"prompts": [P]}, {"before": "restart", "prompts": [P]}]})
+    again = reel["phases"][1][0]
+    assert again["num_cached_tokens"] == 576
+    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert reel["metrics"][f"vllm:kvreel_remote_fetches_total|{form}"] == 3
+    assert "vllm:kvreel_remote_fetches_total|raw" not in reel["metrics"]
+
+
+def test_damaged_video_form_falls_back_to_raw_exactly(tiny_model, redis_server):
+    _, port = redis_server
+    cfg = {**_cfg(port), "remote_forms": "raw,video", "remote_resolutions": "256", "fetch_form": "video@256"}
+    corrupt = ("shell:" + sys.executable + " -c \"import redis; r=redis.Redis(port=" + str(port) +
+               ", password='s3cret')\nfor k in r.scan_iter('kvreel/*/video256/*'):\n"
+               "    n=r.strlen(k); r.setrange(k, n-50, bytes([r.getrange(k,n-50,n-50)[0]^255]))\"")
+    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
+        {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]}, {"before": corrupt, "prompts": [P]}]})
+    again = reel["phases"][2][0]
+    assert again["num_cached_tokens"] == 576
+    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert reel["metrics"]["vllm:kvreel_remote_fetches_total|raw"] == 3
+    assert "video@256 form of remote chunk" in reel["log"]

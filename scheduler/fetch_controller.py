@@ -1,0 +1,169 @@
+"""The fetch controller: streams remote chunks for parked requests (KVFetcher §3.3).
+
+Requests whose prefix lives remotely wait in vLLM's WAITING_FOR_REMOTE_KVS
+state while this controller moves their chunks; other requests keep running.
+``streams`` worker threads each take one chunk at a time: the next request in
+round-robin order (``fair``: concurrent fetches share the link equally) or the
+oldest request first (``fcfs``). For every chunk the form is chosen just before
+it is fetched (``choose``: bandwidth measured on the previous transfers, decode
+time from the machine's profile scaled by the decoders' current load, a penalty
+for switching resolution), then it is decoded, verified and handed to
+``on_chunk`` (which restores it into the request's blocks) as soon as it arrives.
+A damaged or missing form is dropped and the chunk is fetched raw instead; if
+the raw form fails too the chunk is reported failed (vLLM recomputes it).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
+from kvreel.scheduler.decode_profile import DecodeProfile
+
+logger = logging.getLogger("kvreel.fetch")
+SWITCH_PENALTY_S = 0.002     # a new decoder configuration when the resolution changes
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    payload: object | None         # torch.Tensor [regions, blocks, block_bytes]
+    error: Exception | None
+    form: str
+    wire_bytes: int = 0
+    transmit_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class _Request:
+    req_id: str
+    jobs: collections.deque
+    on_chunk: Callable[[ChunkResult], None]
+    remaining: int
+    done: threading.Event = field(default_factory=threading.Event)
+    previous_form: str | None = None
+
+
+class FetchController:
+    def __init__(self, tier, profile: DecodeProfile, *, streams: int = 4, policy: str = "fair",
+                 fixed_form: str | None = None, initial_Bps: float = 1.25e9):
+        if policy not in ("fair", "fcfs"):
+            raise ValueError(f"policy must be fair or fcfs, got {policy!r}")
+        self.tier, self.profile, self.policy, self.fixed_form = tier, profile, policy, fixed_form
+        self.streams = streams
+        self.bandwidth = BandwidthEstimator(initial_Bps)
+        self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self._decoding = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, name=f"kvreel-fetch-{i}", daemon=True)
+                         for i in range(streams)]
+        for t in self._threads:
+            t.start()
+
+    def fetch(self, req_id: str, keys: list[bytes], on_chunk: Callable[[ChunkResult], None],
+              timeout_s: float | None = None) -> bool:
+        """Fetch ``keys`` for one request, calling ``on_chunk`` per chunk as it
+        arrives; returns when all are done (True) or ``timeout_s`` passed (False)."""
+        if not keys:
+            return True
+        manifests = self.tier.manifests(keys)
+        req = _Request(req_id, collections.deque(zip(range(len(keys)), keys, manifests)), on_chunk, len(keys))
+        with self._cond:
+            self._requests[req_id] = req
+            self._cond.notify_all()
+        return req.done.wait(timeout_s)
+
+    def _next_job(self):
+        with self._cond:
+            while not self._closed:
+                for req_id, req in self._requests.items():
+                    if req.jobs:
+                        job = req.jobs.popleft()
+                        if self.policy == "fair":
+                            self._requests.move_to_end(req_id)
+                        return req, job
+                self._cond.wait()
+        return None
+
+    def _worker(self) -> None:
+        while True:
+            item = self._next_job()
+            if item is None:
+                return
+            req, (index, key, forms) = item
+            result = self._fetch_chunk(req, index, key, forms)
+            try:
+                req.on_chunk(result)
+            finally:
+                with self._cond:
+                    req.remaining -= 1
+                    if req.remaining == 0:
+                        self._requests.pop(req.req_id, None)
+                        req.done.set()
+
+    def candidates(self, forms: dict[str, int]) -> list[Candidate]:
+        """Stored forms with a known size and decode time (raw is always one)."""
+        out = []
+        for form, nbytes in forms.items():
+            decode_s = self.profile.get(form)
+            if form == "raw":
+                out.append(Candidate(form, nbytes or 1, decode_s or 0.0))
+            elif nbytes > 0 and decode_s is not None:
+                out.append(Candidate(form, nbytes, decode_s))
+        return out
+
+    def choose_form(self, forms: dict[str, int], previous: str | None) -> str:
+        if self.fixed_form is not None:
+            return self.fixed_form if self.fixed_form in forms else "raw"
+        with self._cond:
+            load = self._decoding / self.streams
+        best, _ = choose(self.candidates(forms), self.bandwidth.Bps, decoder_load=load,
+                         previous=previous, switch_penalty_s=SWITCH_PENALTY_S)
+        return best.name
+
+    def _fetch_chunk(self, req: _Request, index: int, key: bytes, forms: dict[str, int]) -> ChunkResult:
+        form = self.choose_form(forms, req.previous_form)
+        req.previous_form = form
+        result = self._try_form(index, key, form)
+        if result.error is not None and form != "raw":
+            logger.warning("kvreel: %s form of remote chunk %s failed (%s); fetching it raw",
+                           form, key.hex()[:16], result.error)
+            result = self._try_form(index, key, "raw")
+        return result
+
+    def _try_form(self, index: int, key: bytes, form: str) -> ChunkResult:
+        t0 = time.perf_counter()
+        try:
+            data = self.tier.get_form(key, form)
+        except Exception as e:  # noqa: BLE001 — any store failure is this chunk's failure
+            return ChunkResult(index, None, e, form)
+        t1 = time.perf_counter()
+        self.bandwidth.observe(len(data), t1 - t0)
+        with self._cond:
+            self._decoding += 1
+        try:
+            payload = self.tier.decode_form(form, data)
+        except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
+            self.tier.drop_form(key, form)
+            return ChunkResult(index, None, e, form, len(data), t1 - t0)
+        finally:
+            with self._cond:
+                self._decoding -= 1
+        t2 = time.perf_counter()
+        self.profile.observe(form, t2 - t1)
+        return ChunkResult(index, payload, None, form, len(data), t1 - t0, t2 - t1)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        self.profile.save()
