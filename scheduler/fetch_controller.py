@@ -2,9 +2,10 @@
 
 Requests whose prefix lives remotely wait in vLLM's WAITING_FOR_REMOTE_KVS
 state while this controller moves their chunks; other requests keep running.
-``streams`` worker threads each take one chunk at a time: the next request in
-round-robin order (``fair``: concurrent fetches share the link equally) or the
-oldest request first (``fcfs``). For every chunk the form is chosen just before
+``streams`` worker threads each take one chunk at a time: from the request with
+the fewest chunks in flight, served longest ago (``fair``: concurrent fetches
+share the link equally, a lone fetch gets every stream) or from the oldest
+request (``fcfs``). For every chunk the form is chosen just before
 it is fetched (``choose``: bandwidth measured on the previous transfers, decode
 time from the machine's profile scaled by the decoders' current load, a penalty
 for switching resolution), then it is decoded, verified and handed to
@@ -48,6 +49,8 @@ class _Request:
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
     previous_form: str | None = None
+    in_flight: int = 0
+    last_served: int = -1
 
 
 class FetchController:
@@ -61,6 +64,7 @@ class FetchController:
         self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()
         self._cond = threading.Condition()
         self._decoding = 0
+        self._served = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._worker, name=f"kvreel-fetch-{i}", daemon=True)
                          for i in range(streams)]
@@ -81,14 +85,18 @@ class FetchController:
         return req.done.wait(timeout_s)
 
     def _next_job(self):
+        """fair: the request with the fewest chunks in flight, then the one served
+        longest ago (one request alone gets every stream); fcfs: the oldest."""
         with self._cond:
             while not self._closed:
-                for req_id, req in self._requests.items():
-                    if req.jobs:
-                        job = req.jobs.popleft()
-                        if self.policy == "fair":
-                            self._requests.move_to_end(req_id)
-                        return req, job
+                ready = [r for r in self._requests.values() if r.jobs]
+                if ready:
+                    req = ready[0] if self.policy == "fcfs" else \
+                        min(ready, key=lambda r: (r.in_flight, r.last_served))
+                    req.in_flight += 1
+                    req.last_served = self._served
+                    self._served += 1
+                    return req, req.jobs.popleft()
                 self._cond.wait()
         return None
 
@@ -103,6 +111,7 @@ class FetchController:
                 req.on_chunk(result)
             finally:
                 with self._cond:
+                    req.in_flight -= 1
                     req.remaining -= 1
                     if req.remaining == 0:
                         self._requests.pop(req.req_id, None)

@@ -1,0 +1,148 @@
+"""The fetch controller over a real remote tier (files on disk): fair or FCFS
+sharing between concurrent fetches, per-chunk form choice from the measured
+profile and bandwidth, fallbacks for damaged forms, the cached decode profile."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvreel.connector.block_copy import KVView
+from kvreel.connector.remote_tier import RemoteTier, form_key
+from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
+from kvreel.scheduler.fetch_controller import FetchController
+
+SPEC = SimpleNamespace(num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
+SHAPE = torch.Size([3, 2, 2 * 16 * 2 * 64 * 2])      # regions, blocks, block_bytes
+
+
+def make_tier(tmp_path, forms=("raw", "zstd")):
+    view = KVView(SHAPE[2], SPEC) if "video" in forms else None
+    return RemoteTier(f"file://{tmp_path}", "model-x", 2.0, 16, forms=forms, resolutions=(256,), kv_view=view)
+
+
+def upload(tier, n, seed=0):
+    keys, payloads = [], []
+    for i in range(n):
+        key = bytes([seed, i]) * 16
+        payload = synthetic_payload(SHAPE, seed=seed * 100 + i)
+        tier.submit_upload(key, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload)
+        keys.append(key)
+        payloads.append(payload)
+    tier._queue.join()
+    return keys, payloads
+
+
+def profile_for(tmp_path, tier, forms):
+    profile = DecodeProfile("test-machine", tmp_path / "profile.json")
+    profile.measure(forms, lambda: tier.encode_forms([bytes(32)] * SHAPE[1], synthetic_payload(SHAPE)),
+                    tier.decode_form, repeats=1)
+    return profile
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_concurrent_fetches_share_streams_fairly_or_fcfs(tmp_path, policy):
+    tier = make_tier(tmp_path / "store")
+    a_keys, a_data = upload(tier, 4, seed=1)
+    b_keys, b_data = upload(tier, 4, seed=2)
+    ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, policy=policy, fixed_form="raw")
+    order, b_submitted = [], threading.Event()
+    got: dict[tuple[str, int], torch.Tensor] = {}
+
+    def recorder(name):
+        def on_chunk(r):
+            if not order:            # hold the only stream until B has queued behind A
+                assert b_submitted.wait(10)
+            order.append((name, r.index))
+            got[(name, r.index)] = r.payload
+        return on_chunk
+    ta = threading.Thread(target=ctrl.fetch, args=("A", a_keys, recorder("A")))
+    ta.start()
+    while ctrl._requests.get("A") is None:
+        pass
+    tb = threading.Thread(target=ctrl.fetch, args=("B", b_keys, recorder("B")))
+    tb.start()
+    while ctrl._requests.get("B") is None:
+        pass
+    b_submitted.set()
+    ta.join(30)
+    tb.join(30)
+    ctrl.close()
+    tier.close()
+    if policy == "fair":
+        assert order == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2), ("A", 3), ("B", 3)]
+    else:
+        assert order == [("A", i) for i in range(4)] + [("B", i) for i in range(4)]
+    for name, data in (("A", a_data), ("B", b_data)):
+        for i, want in enumerate(data):
+            assert torch.equal(got[(name, i)], want)
+
+
+def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
+    forms = ("raw", "zstd", "video")
+    tier = make_tier(tmp_path / "store", forms)
+    keys, data = upload(tier, 2)
+    names = ["raw", "zstd", "video@256"]
+    profile = profile_for(tmp_path, tier, names)
+    assert all(profile.get(f) is not None for f in names)
+    ctrl = FetchController(tier, profile, streams=1)
+    manifest = tier.manifests(keys[:1])[0]
+    assert set(manifest) == set(names) and all(n > 0 for n in manifest.values())
+    smallest = min(manifest, key=manifest.get)
+    fastest = min(names, key=lambda f: profile.get(f))
+    ctrl.bandwidth.Bps = 1e3                    # a crawling link: bytes on the wire decide
+    assert ctrl.choose_form(manifest, None) == smallest
+    ctrl.bandwidth.Bps = 1e13                   # an endless link: decode time decides
+    assert ctrl.choose_form(manifest, None) == fastest
+    for form in names:
+        ctrl.fixed_form = form
+        out = {}
+        ctrl.fetch("r", keys, lambda r: out.__setitem__(r.index, (r.form, r.payload, r.error)))
+        for i, want in enumerate(data):
+            assert out[i][0] == form and out[i][2] is None
+            assert torch.equal(out[i][1], want)
+    ctrl.close()
+    tier.close()
+
+
+def test_damaged_form_falls_back_to_raw_and_is_dropped(tmp_path):
+    tier = make_tier(tmp_path / "store")
+    keys, data = upload(tier, 1)
+    zpath = tmp_path / "store" / form_key("model-x", "zstd", keys[0])
+    blob = bytearray(zpath.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    zpath.write_bytes(bytes(blob))
+    ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, fixed_form="zstd")
+    out = []
+    ctrl.fetch("r", keys, out.append)
+    assert out[0].form == "raw" and out[0].error is None and torch.equal(out[0].payload, data[0])
+    assert not zpath.exists()
+    ctrl.close()
+    tier.close()
+
+
+def test_missing_chunk_fails_in_bounded_time_without_hanging(tmp_path):
+    tier = make_tier(tmp_path / "store")
+    ctrl = FetchController(tier, DecodeProfile("t", None), streams=2)
+    out = []
+    assert ctrl.fetch("r", [b"\x07" * 32], out.append, timeout_s=10)
+    assert out[0].payload is None and "missing" in str(out[0].error)
+    ctrl.close()
+    tier.close()
+
+
+def test_decode_profile_is_cached_per_machine_and_refined(tmp_path):
+    path = tmp_path / "profile.json"
+    calls = []
+    p = DecodeProfile("m1", path)
+    p.measure(["raw"], lambda: {"raw": b"x"}, lambda f, d: calls.append(f), repeats=3)
+    assert calls == ["raw"] * 3 and p.get("raw") > 0
+    again = DecodeProfile("m1", path)
+    again.measure(["raw"], lambda: pytest.fail("re-measured a cached form"), lambda f, d: None)
+    assert again.get("raw") == pytest.approx(p.get("raw"))
+    assert DecodeProfile("other-machine", path).get("raw") is None
+    again.observe("raw", 1.0)
+    assert p.get("raw") < again.get("raw") < 1.0
