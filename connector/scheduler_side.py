@@ -116,6 +116,7 @@ class KVReelScheduler:
         self._promotions: dict[str, list[Chunk]] = {}
         self._remote_plans: dict[str, list[tuple[bytes, int]]] = {}
         self.remote = None
+        self.blocking = cfg.fetch_mode == "blocking"
         if cfg.remote_url:
             from kvreel.connector.remote_tier import RemoteLookups
             self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
@@ -174,7 +175,7 @@ class KVReelScheduler:
             return 0, False
         self._planned[request.request_id] = (start, local_end)
         needs_async = n > local_end or any(not self.index[h][0].in_host for h in hashes[start:local_end])
-        return (n - start) * self.block_size, needs_async
+        return (n - start) * self.block_size, needs_async and not self.blocking
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         st = self.reqs.setdefault(request.request_id, RequestState(request))
@@ -212,7 +213,7 @@ class KVReelScheduler:
                     self.disk.touch(chunk)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
-        is_async = any(p.tier != HOST for p in pieces)
+        is_async = any(p.tier != HOST for p in pieces) and not self.blocking
         if is_async:
             self._async_pins[request.request_id] = chunks
         else:

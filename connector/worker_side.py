@@ -62,6 +62,7 @@ class KVReelWorker:
         self.remote = RemoteTier(cfg.remote_url, ident, cfg.remote_timeout_s, cfg.remote_write_queue,
                                  forms=cfg.remote_forms, quant=cfg.remote_quant,
                                  resolutions=cfg.remote_resolutions, kv_view=kv_view)
+        self.remote.decode_device = pages.device
         chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
         device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
         profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
@@ -141,7 +142,7 @@ class KVReelWorker:
             raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
         self.pages.scatter(data, piece.block_ids, rows)
         if piece.promote_to_host:
-            self.host[piece.key] = data
+            self.host[piece.key] = data.cpu()
         with self._lock:
             self.stats.add("loaded_bytes", len(piece.block_ids) * self.pages.bytes_per_block, piece.tier)
             self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)

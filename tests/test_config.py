@@ -25,11 +25,27 @@ def test_extra_config_overrides_env():
     ({"KVREEL_DISK_BYTES": "1KiB"}, "KVREEL_DISK_BYTES='1KiB' is invalid: expected a size >= 1.0MiB"),
     ({"KVREEL_CPU_BYTE": "1GiB"}, "unknown kvreel setting 'KVREEL_CPU_BYTE'; did you mean KVREEL_CPU_BYTES?"),
     ({"KVREEL_DSK_DIR": "/x"}, "did you mean KVREEL_DISK_DIR?"),
+    ({"KVREEL_REMOTE_FORMS": "zstd,video"}, "expected a comma list of raw, zstd, video that includes raw"),
+    ({"KVREEL_REMOTE_FORMS": "raw,h264"}, "KVREEL_REMOTE_FORMS='raw,h264' is invalid"),
+    ({"KVREEL_REMOTE_RESOLUTIONS": "64"}, "expected a comma list of frame sides in [144, 4096]"),
+    ({"KVREEL_REMOTE_QUANT": "int8"}, "KVREEL_REMOTE_QUANT='int8' quantizes the video form: add video to"),
+    ({"KVREEL_FETCH_FORM": "video@256"}, "KVREEL_FETCH_FORM='video@256' is not a stored form"),
+    ({"KVREEL_REMOTE_FORMS": "raw,video", "KVREEL_FETCH_FORM": "video@300"}, "is not a stored resolution"),
+    ({"KVREEL_FETCH_POLICY": "lifo"}, "expected fair or fcfs"),
+    ({"KVREEL_FETCH_MODE": "sync"}, "expected async or blocking"),
 ])
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(ConfigError) as err:
         KVReelConfig.load(env=env)
     assert message in str(err.value)
+
+
+def test_remote_forms_parse():
+    cfg = KVReelConfig.load(env={"KVREEL_REMOTE_FORMS": " raw , video,zstd,video", "KVREEL_REMOTE_QUANT": "int8",
+                                 "KVREEL_REMOTE_RESOLUTIONS": "512,256", "KVREEL_FETCH_FORM": "video@512"})
+    assert cfg.remote_forms == ("raw", "video", "zstd") and cfg.remote_resolutions == (256, 512)
+    assert (cfg.remote_quant, cfg.fetch_form, cfg.fetch_policy, cfg.fetch_mode) == ("int8", "video@512", "fair",
+                                                                                     "async")
 
 
 def test_unknown_extra_config_key():

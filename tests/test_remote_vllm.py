@@ -61,12 +61,14 @@ def test_damaged_remote_chunk_is_recomputed(tiny_model, redis_server):
     assert "payload checksum mismatch" in reel["log"]
 
 
-@pytest.mark.parametrize("form", ["zstd", "video@256"])
-def test_every_stored_form_restores_exactly(tiny_model, redis_server, form):
+@pytest.mark.parametrize("form,mode", [("zstd", "async"), ("video@256", "async"), ("raw", "blocking")])
+def test_every_stored_form_restores_exactly(tiny_model, redis_server, form, mode):
     """Chunks stored raw + zstd + lossless video; the second engine fetches them in
-    one fixed form (KVREEL_FETCH_FORM) and gets bit-identical outputs."""
+    one fixed form (KVREEL_FETCH_FORM), parked or inside the forward pass
+    (KVREEL_FETCH_MODE), and gets bit-identical outputs."""
     _, port = redis_server
-    cfg = {**_cfg(port), "remote_forms": "raw,zstd,video", "remote_resolutions": "256", "fetch_form": form}
+    cfg = {**_cfg(port), "remote_forms": "raw,zstd,video", "remote_resolutions": "256", "fetch_form": form,
+           "fetch_mode": mode}
     base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [P]}]})
