@@ -121,8 +121,8 @@ SETTINGS: tuple[Setting, ...] = (
                  "uploads are dropped (never blocking the forward pass).", 1, 1 << 16),
     Setting("REMOTE_FORMS", _forms, ("raw", "zstd"), "a comma list of raw, zstd, video that includes raw",
             "Forms each remote chunk is stored in; a fetch picks one per chunk. raw is the exact fallback; "
-            "video (lossless HEVC, decoded on NVDEC) pays off where decoders outpace the link; its encode "
-            "costs CPU time in the uploader unless NVENC is present."),
+            "video (lossless HEVC, decoded on NVDEC) pays off where the link is slower than the decoders; "
+            "its encode costs CPU time in the uploader unless NVENC is present."),
     Setting("REMOTE_QUANT", str, "none", "none or int8",
             "Quantizer of the video form: none is exact, int8 is smaller and lossy (per-channel min-max).",
             lambda v: v in ("none", "int8")),

@@ -72,6 +72,12 @@ class DecodeProfile:
         missing = [f for f in forms if self.get(f) is None]
         if not missing:
             return
+        try:
+            self._measure(missing, encode, decode, repeats)
+        except Exception as e:  # noqa: BLE001 — profiling must never take the engine down
+            logger.warning("kvreel: decode profiling failed (%s); forms without a profile are not chosen", e)
+
+    def _measure(self, missing, encode, decode, repeats) -> None:
         encoded = encode()
         for form in missing:
             if form not in encoded:
