@@ -68,7 +68,7 @@ def close(llm) -> None:
 def set_rate(shaper, gbps: float) -> None:
     shaper.trace = []
     shaper.bucket.set_rate(gbps * 125e6)
-    shaper.bucket.burst = max(64 * 1024, int(gbps * 125e6 * 0.001))
+    shaper.bucket.burst = max(shaper.chunk, int(gbps * 125e6 * 0.001))
 
 
 def wait_uploads(port: int, settle_s: float = 3.0) -> int:

@@ -27,16 +27,18 @@ class TokenBucket:
             self.rate = float(rate_Bps)
 
     def take(self, n: int) -> None:
-        """Block until ``n`` bytes may pass."""
+        """Block until ``n`` bytes may pass. A send larger than the burst waits
+        for a full bucket and leaves a debt, so the average rate still holds."""
         while True:
             with self.lock:
                 now = time.monotonic()
                 self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
                 self.t = now
-                if self.tokens >= n:
+                need = min(n, self.burst)
+                if self.tokens >= need:
                     self.tokens -= n
                     return
-                wait = (n - self.tokens) / self.rate
+                wait = (need - self.tokens) / self.rate
             time.sleep(min(wait, 0.05))
 
 

@@ -72,3 +72,13 @@ def test_shaper_limits_throughput_and_passes_bytes_unchanged():
     srv.close()
     assert bytes(got) == bytes(range(256)) * (n // 256)
     assert dt >= (n - 64 * 1024) / rate * 0.95
+
+
+def test_token_bucket_passes_sends_larger_than_its_burst_at_the_set_rate():
+    from kvreel.scheduler.shaper import TokenBucket
+    bucket = TokenBucket(rate_Bps=4e6, burst=64 * 1024)
+    t0 = time.monotonic()
+    for _ in range(8):
+        bucket.take(256 * 1024)            # 4x the burst: must not wait forever
+    dt = time.monotonic() - t0
+    assert (8 * 256 * 1024 - 64 * 1024) / 4e6 * 0.9 <= dt < 2.0

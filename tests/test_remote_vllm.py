@@ -22,10 +22,15 @@ def _cfg(port):
     return {"cpu_bytes": "0", "remote_url": f"redis://:s3cret@127.0.0.1:{port}/0", "remote_timeout_s": 1.0}
 
 
-def test_prefix_from_another_engine_is_reused_exactly(tiny_model, redis_server):
-    _, port = redis_server
+@pytest.mark.parametrize("store", ["redis", "file"])
+def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_path, store):
+    if store == "redis":
+        _, port = request.getfixturevalue("redis_server")
+        cfg = _cfg(port)
+    else:       # a shared filesystem
+        cfg = {**_cfg(0), "remote_url": f"file://{tmp_path / 'shared'}"}
     base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
-    reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [P, OTHER]}]})
     assert reel["phases"][0][0] == base["phases"][0][0]
     again = reel["phases"][1][0]
