@@ -32,6 +32,31 @@ def capture(model_path: str, tokens: int, offset: int = 0, return_qkv: bool = Fa
     return torch.stack(layers).contiguous(), ids       # [L, 2, T, H, D]
 
 
+def capture_qkv(model_path: str, tokens: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-RoPE queries [L, Hq, T, D] and keys/values [L, Hkv, T, D] of one
+    forward pass, as attention sees them (float32)."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16,
+                                                 attn_implementation="eager").eval()
+    ids = tok(python_source_corpus(tokens * 8 + offset * 8))["input_ids"][offset:offset + tokens]
+    seen: list[tuple[torch.Tensor, ...]] = []
+    original = llama.eager_attention_forward
+
+    def recording(module, query, key, value, *args, **kwargs):
+        seen.append((query[0].float(), key[0].float(), value[0].float()))
+        return original(module, query, key, value, *args, **kwargs)
+    llama.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        llama.eager_attention_forward = original
+    q, k, v = (torch.stack(t) for t in zip(*seen))
+    return q, k, v
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)

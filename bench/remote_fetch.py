@@ -66,7 +66,9 @@ def close(llm) -> None:
 
 
 def set_rate(shaper, gbps: float) -> None:
-    shaper.trace = []
+    if shaper.trace:
+        shaper.trace = []
+        time.sleep(max(s for s, _ in TRACE) + 0.1)      # let the replay loop notice
     shaper.bucket.set_rate(gbps * 125e6)
     shaper.bucket.burst = max(shaper.chunk, int(gbps * 125e6 * 0.001))
 
@@ -208,7 +210,7 @@ def main():
                         shaper.trace = [(s, u * a.trace_unit_gbps * 125e6) for s, u in TRACE]
                         shaper.jitter = 0.1
                         out["trace"][mode] = reuse_ttft(llm, prompts)
-                        shaper.trace = []
+                        set_rate(shaper, 40)
                     out["forms_chosen"][mode] = forms_used(llm)
                     tqdm.write(f"{mode}: {out['reuse'].get(mode)} trace={out['trace'].get(mode)}")
                     close(llm)

@@ -82,12 +82,17 @@ class Shaper:
         self._sock.close()
 
     def _replay(self) -> None:
-        while self.trace and not self._stop.is_set():
-            for seconds, rate in self.trace:
+        """Replay ``trace`` in a loop; a trace set (or cleared) later takes effect too."""
+        while not self._stop.is_set():
+            trace = list(self.trace)
+            if not trace:
+                self._stop.wait(0.05)
+                continue
+            for seconds, rate in trace:
                 factor = 1.0 + self._rng.uniform(-self.jitter, self.jitter) if self.jitter else 1.0
                 self.bucket.set_rate(rate * factor)
-                if self._stop.wait(seconds):
-                    return
+                if self._stop.wait(seconds) or not self.trace:
+                    break
 
     def _accept(self) -> None:
         while not self._stop.is_set():

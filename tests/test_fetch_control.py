@@ -82,3 +82,21 @@ def test_token_bucket_passes_sends_larger_than_its_burst_at_the_set_rate():
         bucket.take(256 * 1024)            # 4x the burst: must not wait forever
     dt = time.monotonic() - t0
     assert (8 * 256 * 1024 - 64 * 1024) / 4e6 * 0.9 <= dt < 2.0
+
+
+def test_shaper_replays_a_trace_set_while_running():
+    srv = _echo_server()
+    with Shaper(srv.getsockname(), rate_Bps=1e9) as proxy:
+        proxy.trace = [(0.2, 1e6), (0.2, 3e6)]
+        seen = set()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and len(seen) < 2:
+            seen.add(proxy.bucket.rate)
+            time.sleep(0.01)
+        assert {1e6, 3e6} <= seen
+        proxy.trace = []
+        time.sleep(0.3)
+        proxy.bucket.set_rate(7e6)
+        time.sleep(0.3)
+        assert proxy.bucket.rate == 7e6            # a cleared trace no longer overrides the rate
+    srv.close()

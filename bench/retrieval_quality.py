@@ -1,0 +1,220 @@
+"""Retrieval quality on a trained model over real text: attention-output error and
+attention-mass recall vs the share of history tokens fetched, for ReSV and the
+top-k baselines, in one run.
+
+    python bench/retrieval_quality.py --model ../shared/models/tinycode-16m-4k --tokens 4096
+
+Setting (as in the issue): the last ``--frame`` tokens are the new "frame"; their
+queries (every query head of a KV group, every frame token: the rows) attend to
+the history before them. ``--sink`` first and ``--window`` last history tokens
+are always kept; every method chooses among the rest. Per layer and KV head:
+exact output O = softmax(q K^T / sqrt d) V over the history; a method's output
+uses only its selection. Error = ||O' - O|| / ||O||, recall = attention mass
+kept, fetched = tokens in the union of the frame's selections (a fetched token
+serves every row) over the candidates. Means over layers and heads.
+
+Methods: frame top-k (ReKV style; oracle frame scores, its best case), per-row
+top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
+per-row WiCSum on oracle mass (a bound, not a method), and ReSV: hash-bit
+clusters of post-RoPE keys, WiCSum on *predicted* mass (cluster size x
+exp(q . mean key)), whole clusters fetched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, save  # noqa: E402
+from kv_capture import capture_qkv  # noqa: E402
+
+from kvreel.connector.retrieval.resv import cluster_keys, cluster_scores, hyperplanes, wicsum  # noqa: E402
+
+RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
+ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
+RESV_CONFIGS = ((12, 0), (16, 1), (16, 2))          # (bits, hamming radius)
+
+
+def evaluate(q, k, v, mask, cand):
+    """Error, recall, fetched share of one selection ``mask`` [R, N] over candidates ``cand``."""
+    d = q.shape[-1]
+    logits = q @ k.T / math.sqrt(d)
+    p = torch.softmax(logits, -1)
+    exact = p @ v
+    restricted = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
+    out = restricted @ v
+    err = float((out - exact).norm() / exact.norm())
+    recall = float((p * mask).sum(-1).mean())
+    fetched = float((mask.any(0) & cand).sum() / cand.sum())
+    return err, recall, fetched
+
+
+def methods(q, k, v, always, cand, page: int = 16):
+    """Yields (method, parameter, mask [R, N])."""
+    R, N = q.shape[0], k.shape[0]
+    d = q.shape[-1]
+    logits = q @ k.T / math.sqrt(d)
+    p = torch.softmax(logits, -1)
+    ncand = int(cand.sum())
+
+    def with_always(m):
+        return m | always.unsqueeze(0)
+    frame_score = p.mean(0).masked_fill(~cand, -1)
+    for r in RATIOS:
+        n = max(1, int(r * ncand))
+        top = torch.topk(frame_score, n).indices
+        m = torch.zeros(N, dtype=torch.bool)
+        m[top] = True
+        yield "frame top-k (ReKV)", r, with_always(m.expand(R, N))
+    row_score = logits.masked_fill(~cand, float("-inf"))
+    for r in RATIOS:
+        n = max(1, int(r * ncand))
+        top = torch.topk(row_score, n, dim=-1).indices
+        yield "row top-k (InfiniGen)", r, with_always(torch.zeros(R, N, dtype=torch.bool).scatter_(1, top, True))
+    # Quest: pages of candidates, score bound sum_d max(q_d min_d, q_d max_d)
+    idx = torch.nonzero(cand).flatten()
+    pages = [idx[i:i + page] for i in range(0, idx.numel(), page)]
+    kmin = torch.stack([k[pg].min(0).values for pg in pages])
+    kmax = torch.stack([k[pg].max(0).values for pg in pages])
+    bound = torch.maximum(q.unsqueeze(1) * kmin, q.unsqueeze(1) * kmax).sum(-1)     # [R, pages]
+    for r in RATIOS:
+        n = max(1, int(r * len(pages)))
+        top = torch.topk(bound, n, dim=-1).indices
+        m = torch.zeros(R, N, dtype=torch.bool)
+        for j, pg in enumerate(pages):
+            m[:, pg] |= (top == j).any(-1, keepdim=True)
+        yield "Quest pages", r, with_always(m)
+    cand_mass = p.masked_fill(~cand, 0)
+    for a in ALPHAS:
+        scores = cand_mass[:, idx].clamp_min(1e-30).log()
+        keep = wicsum(scores, a)
+        m = torch.zeros(R, N, dtype=torch.bool)
+        m[:, idx] = keep
+        yield "row WiCSum, oracle mass (bound)", a, with_always(m)
+    for bits, ham in RESV_CONFIGS:
+        cl = cluster_keys(k[idx], hyperplanes(d, bits, seed=1), ham)
+        s = cluster_scores(q, cl)
+        for a in ALPHAS:
+            keep = wicsum(s, a)                       # [R, C]
+            m = torch.zeros(R, N, dtype=torch.bool)
+            m[:, idx] = keep[:, cl.labels]
+            yield f"ReSV {bits}b/h{ham}", a, with_always(m)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--frame", type=int, default=128)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32)
+    a = ap.parse_args()
+    q, k, v = capture_qkv(a.model, a.tokens)
+    L, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    hist = T - a.frame
+    always = torch.zeros(hist, dtype=torch.bool)
+    always[: a.sink] = True
+    always[hist - a.window:] = True
+    cand = ~always
+    curves: dict[str, dict[float, list[tuple[float, float, float]]]] = {}
+    per_head: dict[str, dict[float, list[list[float]]]] = {}
+    for layer in tqdm(range(L), desc="layers"):
+        for h in range(Hkv):
+            group = range(h * Hq // Hkv, (h + 1) * Hq // Hkv)
+            rows = torch.cat([q[layer, g, hist:] for g in group])
+            kk, vv = k[layer, h, :hist], v[layer, h, :hist]
+            for name, param, mask in methods(rows, kk, vv, always, cand):
+                res = evaluate(rows, kk, vv, mask, cand)
+                curves.setdefault(name, {}).setdefault(param, []).append(res)
+                per_head.setdefault(name, {}).setdefault(param, []).append([layer, h, res[2], res[0]])
+    summary = {}
+    for name, by_param in curves.items():
+        pts = []
+        for param, res in sorted(by_param.items()):
+            err, rec, fet = (sum(x[i] for x in res) / len(res) for i in range(3))
+            pts.append({"param": param, "error": err, "recall": rec, "fetched": fet})
+        summary[name] = pts
+    needed = {name: _fetched_at(pts, 0.01) for name, pts in summary.items()}
+    best_resv = min((n for n in needed if n.startswith("ReSV") and needed[n] is not None),
+                    key=lambda n: needed[n], default=None)
+    frame = needed.get("frame top-k (ReKV)")
+    out = {"model": a.model, "tokens": a.tokens, "frame": a.frame, "sink": a.sink, "window": a.window,
+           "shape": {"layers": L, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D},
+           "curves": summary, "fetched_at_1pct_error": needed,
+           "resv_vs_frame_topk_at_1pct": (needed[best_resv] / frame) if best_resv and frame else None,
+           "best_resv": best_resv}
+    if best_resv:
+        alpha = min((p for p in summary[best_resv] if p["error"] <= 0.01), key=lambda p: p["fetched"],
+                    default=summary[best_resv][-1])["param"]
+        out["heatmap"] = {"method": best_resv, "alpha": alpha, "cells": per_head[best_resv][alpha]}
+        _heatmap(out["heatmap"], L, Hkv)
+    path = save("retrieval_quality", out)
+    _plot(summary)
+    print("fetched share at 1% error:", {k: (round(v, 3) if v else v) for k, v in needed.items()})
+    print("wrote", path)
+
+
+def _fetched_at(pts, target):
+    """Smallest fetched share with error <= target, interpolated between the two
+    sweep points around it (None if never reached)."""
+    pts = sorted(pts, key=lambda p: p["fetched"])
+    prev = None
+    for p in pts:
+        if p["error"] <= target:
+            if prev is None or prev["error"] == p["error"]:
+                return p["fetched"]
+            t = (prev["error"] - target) / (prev["error"] - p["error"])
+            return prev["fetched"] + t * (p["fetched"] - prev["fetched"])
+        prev = p
+    return None
+
+
+def _plot(summary):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, pts in summary.items():
+        pts = sorted(pts, key=lambda p: p["fetched"])
+        axes[0].plot([p["fetched"] for p in pts], [p["error"] * 100 for p in pts], marker=".", label=name)
+        axes[1].plot([p["fetched"] for p in pts], [p["recall"] for p in pts], marker=".", label=name)
+    axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("attention output error (%)")
+    axes[1].set_ylabel("attention mass recall")
+    for ax in axes:
+        ax.set_xlabel("history tokens fetched (share)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "retrieval_quality.png", dpi=120)
+    plt.close(fig)
+
+
+def _heatmap(hm, L, H):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    grid = torch.zeros(L, H)
+    for layer, h, fetched, _ in hm["cells"]:
+        grid[int(layer), int(h)] = fetched
+    fig, ax = plt.subplots(figsize=(3 + H, 3.5))
+    im = ax.imshow(grid.numpy(), cmap="viridis", aspect="auto")
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{hm['method']} alpha={hm['alpha']}: share fetched", fontsize=9)
+    fig.colorbar(im)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "retrieval_ratio_heatmap.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""Retrieval for long sessions: cluster the offloaded KV and attend only to the
+clusters that matter (ReSV hash-bit clustering + WiCSum; Mosaic)."""
