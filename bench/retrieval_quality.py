@@ -34,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
+from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate  # noqa: E402
 from kvreel.connector.retrieval.resv import cluster_keys, cluster_scores, hyperplanes, wicsum  # noqa: E402
 
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
 RESV_CONFIGS = ((12, 0), (16, 1), (16, 2))          # (bits, hamming radius)
+MOSAIC_CONFIGS = (16, 32)                            # semantic clusters per visual cluster
 
 
 def evaluate(q, k, v, mask, cand):
@@ -55,7 +57,7 @@ def evaluate(q, k, v, mask, cand):
     return err, recall, fetched
 
 
-def methods(q, k, v, always, cand, page: int = 16):
+def methods(q, k, v, always, cand, visual, page: int = 16):
     """Yields (method, parameter, mask [R, N])."""
     R, N = q.shape[0], k.shape[0]
     d = q.shape[-1]
@@ -105,6 +107,13 @@ def methods(q, k, v, always, cand, page: int = 16):
             m = torch.zeros(R, N, dtype=torch.bool)
             m[:, idx] = keep[:, cl.labels]
             yield f"ReSV {bits}b/h{ham}", a, with_always(m)
+    frame_of, visual_labels = visual
+    for per_visual in MOSAIC_CONFIGS:
+        index = MosaicIndex.build(k[idx], frame_of[idx], visual_labels, per_visual)
+        for a in ALPHAS:
+            m = torch.zeros(R, N, dtype=torch.bool)
+            m[:, idx] = index.token_mask(index.select(q, a), idx.numel())
+            yield f"Mosaic {per_visual}/visual", a, with_always(m)
 
 
 def main():
@@ -114,6 +123,7 @@ def main():
     ap.add_argument("--frame", type=int, default=128)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--visual-clusters", type=int, default=8)
     a = ap.parse_args()
     q, k, v = capture_qkv(a.model, a.tokens)
     L, Hq, T, D = q.shape
@@ -123,6 +133,14 @@ def main():
     always[: a.sink] = True
     always[hist - a.window:] = True
     cand = ~always
+    # text segments of --frame tokens stand in for video frames; a segment's
+    # embedding is its mean normalized key over layers and heads
+    frame_of = torch.arange(hist) // a.frame
+    nf = int(frame_of.max()) + 1
+    kn = torch.nn.functional.normalize(k[:, :, :hist], dim=-1).mean((0, 1))        # [hist, D]
+    emb = torch.zeros(nf, D).index_add_(0, frame_of, kn)
+    visual = (frame_of, cosine_kmeans(emb, a.visual_clusters))
+    prefetch = []
     curves: dict[str, dict[float, list[tuple[float, float, float]]]] = {}
     per_head: dict[str, dict[float, list[list[float]]]] = {}
     for layer in tqdm(range(L), desc="layers"):
@@ -130,10 +148,15 @@ def main():
             group = range(h * Hq // Hkv, (h + 1) * Hq // Hkv)
             rows = torch.cat([q[layer, g, hist:] for g in group])
             kk, vv = k[layer, h, :hist], v[layer, h, :hist]
-            for name, param, mask in methods(rows, kk, vv, always, cand):
+            for name, param, mask in methods(rows, kk, vv, always, cand, visual):
                 res = evaluate(rows, kk, vv, mask, cand)
                 curves.setdefault(name, {}).setdefault(param, []).append(res)
                 per_head.setdefault(name, {}).setdefault(param, []).append([layer, h, res[2], res[0]])
+            if layer + 1 < L:          # cross-layer prefetch: layer l's rows predict layer l+1's clusters
+                idx = torch.nonzero(cand).flatten()
+                nxt = MosaicIndex.build(k[layer + 1, h, idx], frame_of[idx], visual[1], MOSAIC_CONFIGS[-1])
+                rows_next = torch.cat([q[layer + 1, g, hist:] for g in group])
+                prefetch.append(prefetch_hit_rate(nxt, rows, rows_next, 0.95)[0])
     summary = {}
     for name, by_param in curves.items():
         pts = []
@@ -142,14 +165,18 @@ def main():
             pts.append({"param": param, "error": err, "recall": rec, "fetched": fet})
         summary[name] = pts
     needed = {name: _fetched_at(pts, 0.01) for name, pts in summary.items()}
-    best_resv = min((n for n in needed if n.startswith("ReSV") and needed[n] is not None),
-                    key=lambda n: needed[n], default=None)
+    def best(prefix):
+        return min((n for n in needed if n.startswith(prefix) and needed[n] is not None),
+                   key=lambda n: needed[n], default=None)
+    best_resv, best_mosaic = best("ReSV"), best("Mosaic")
     frame = needed.get("frame top-k (ReKV)")
     out = {"model": a.model, "tokens": a.tokens, "frame": a.frame, "sink": a.sink, "window": a.window,
            "shape": {"layers": L, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D},
            "curves": summary, "fetched_at_1pct_error": needed,
+           "mosaic_cross_layer_prefetch_hit_rate": sum(prefetch) / len(prefetch) if prefetch else None,
            "resv_vs_frame_topk_at_1pct": (needed[best_resv] / frame) if best_resv and frame else None,
-           "best_resv": best_resv}
+           "best_resv": best_resv, "best_mosaic": best_mosaic,
+           "mosaic_vs_frame_topk_at_1pct": (needed[best_mosaic] / frame) if best_mosaic and frame else None}
     if best_resv:
         alpha = min((p for p in summary[best_resv] if p["error"] <= 0.01), key=lambda p: p["fetched"],
                     default=summary[best_resv][-1])["param"]

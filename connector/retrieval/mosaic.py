@@ -1,0 +1,202 @@
+"""Mosaic: nested visual -> semantic clustering of a long session's KV.
+
+* Visual level: frames (or text segments standing in for them) are grouped by
+  cosine k-means over frame embeddings.
+* Semantic level, per layer and KV head: inside each visual cluster the keys
+  are grouped by cosine k-means; every semantic cluster keeps its centroid, size
+  and running distance statistics (the centroid index).
+* Retrieval is two-stage: visual clusters are scored by their mean key, the
+  semantic clusters of the best ones are scored by their centroids, and WiCSum
+  keeps clusters until ``alpha`` of the predicted mass; the strongest cluster
+  of every visual group (global representatives) is always kept, so no part of
+  the session is invisible.
+* Online: a new token joins its nearest centroid when its distance is within
+  the cluster's size-adaptive threshold (mean + k x std of member distances,
+  k shrinking as the cluster grows); otherwise it opens a cluster. A cluster
+  whose spread grows too large is marked for a split that is applied only when
+  the cluster is fetched anyway (its keys are on hand then).
+* Cross-layer prefetch: layer l's queries score layer l+1's centroids to fetch
+  ahead; the completion step fetches what the real layer-(l+1) selection adds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvreel.connector.retrieval.resv import wicsum
+
+
+def cosine_kmeans(x: torch.Tensor, k: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
+    """Labels [N] of a spherical k-means over rows of ``x`` (k-means++ seeding)."""
+    n = x.shape[0]
+    k = max(1, min(k, n))
+    xn = torch.nn.functional.normalize(x.float(), dim=-1)
+    g = torch.Generator().manual_seed(seed)
+    centers = [int(torch.randint(n, (1,), generator=g))]
+    for _ in range(1, k):
+        sim = (xn @ xn[centers].T).max(-1).values
+        w = (1 - sim).clamp_min(0) + 1e-9
+        centers.append(int(torch.multinomial(w, 1, generator=g)))
+    c = xn[centers]
+    labels = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        new = (xn @ c.T).argmax(-1)
+        if torch.equal(new, labels):
+            break
+        labels = new
+        for j in range(k):
+            members = xn[labels == j]
+            if members.numel():
+                c[j] = torch.nn.functional.normalize(members.mean(0), dim=-1)
+    return labels
+
+
+@dataclass
+class SemanticCluster:
+    visual: int
+    tokens: list[int]
+    key_sum: torch.Tensor
+    dist_mean: float = 0.0      # Welford statistics of member distances to the centroid
+    dist_m2: float = 0.0
+    split_pending: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def centroid(self) -> torch.Tensor:
+        return self.key_sum / self.count
+
+    def threshold(self, base_k: float) -> float:
+        """Size-adaptive: small clusters accept generously, large ones tighten."""
+        std = math.sqrt(self.dist_m2 / self.count) if self.count > 1 else 0.0
+        k = base_k / math.sqrt(math.log2(self.count + 1))
+        return self.dist_mean + k * std if self.count > 2 else float("inf")
+
+    def add(self, token: int, key: torch.Tensor, dist: float) -> None:
+        self.tokens.append(token)
+        self.key_sum += key
+        delta = dist - self.dist_mean
+        self.dist_mean += delta / self.count
+        self.dist_m2 += delta * (dist - self.dist_mean)
+
+
+@dataclass
+class MosaicIndex:
+    """One (layer, KV head)'s centroid index over a session's history."""
+    clusters: list[SemanticCluster] = field(default_factory=list)
+    base_k: float = 3.0
+    split_std: float = 0.5
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, frame_of: torch.Tensor, visual_labels: torch.Tensor,
+              per_visual: int, seed: int = 0) -> "MosaicIndex":
+        """``frame_of[t]``: frame of token t; ``visual_labels[f]``: visual cluster of frame f."""
+        index = cls()
+        vis_of_token = visual_labels[frame_of]
+        for v in torch.unique(vis_of_token).tolist():
+            toks = torch.nonzero(vis_of_token == v).flatten()
+            sub = cosine_kmeans(keys[toks], per_visual, seed=seed)
+            for j in torch.unique(sub).tolist():
+                members = toks[sub == j]
+                c = SemanticCluster(v, [], torch.zeros(keys.shape[1]))
+                centroid = keys[members].float().mean(0)
+                for t in members.tolist():
+                    c.add(t, keys[t].float(), float((keys[t].float() - centroid).norm()))
+                index.clusters.append(c)
+        return index
+
+    def assign(self, token: int, key: torch.Tensor, visual: int) -> int:
+        """Online insertion of one new token; the cluster id it joined."""
+        key = key.float()
+        same = [i for i, c in enumerate(self.clusters) if c.visual == visual]
+        if same:
+            cents = torch.stack([self.clusters[i].centroid for i in same])
+            d = (cents - key).norm(dim=-1)
+            j = int(d.argmin())
+            c = self.clusters[same[j]]
+            if float(d[j]) <= c.threshold(self.base_k):
+                c.add(token, key, float(d[j]))
+                std = math.sqrt(c.dist_m2 / c.count) if c.count > 1 else 0.0
+                c.split_pending = c.count > 8 and std > self.split_std * max(c.dist_mean, 1e-6)
+                return same[j]
+        self.clusters.append(SemanticCluster(visual, [token], key.clone()))
+        return len(self.clusters) - 1
+
+    def apply_split(self, cid: int, keys: torch.Tensor) -> list[int]:
+        """Split a pending cluster in two (its keys are at hand because it was
+        just fetched); the ids of the resulting clusters."""
+        c = self.clusters[cid]
+        if not c.split_pending or c.count < 4:
+            return [cid]
+        toks = torch.tensor(c.tokens)
+        labels = cosine_kmeans(keys[toks], 2)
+        parts = []
+        for j in (0, 1):
+            members = toks[labels == j].tolist()
+            if not members:
+                continue
+            new = SemanticCluster(c.visual, [], torch.zeros_like(c.key_sum))
+            cent = keys[members].float().mean(0)
+            for t in members:
+                new.add(t, keys[t].float(), float((keys[t].float() - cent).norm()))
+            parts.append(new)
+        if len(parts) < 2:
+            c.split_pending = False
+            return [cid]
+        self.clusters[cid] = parts[0]
+        self.clusters.append(parts[1])
+        return [cid, len(self.clusters) - 1]
+
+    def centroids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cents = torch.stack([c.centroid for c in self.clusters])
+        counts = torch.tensor([c.count for c in self.clusters], dtype=torch.float32)
+        visual = torch.tensor([c.visual for c in self.clusters])
+        return cents, counts, visual
+
+    def select(self, queries: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
+        """[R, C] bool: two-stage WiCSum selection per query row, plus the global
+        representative (strongest cluster) of every visual group. Stage 1 keeps
+        visual groups up to max(alpha, visual_keep) of the mass; alpha = 1 keeps all."""
+        if alpha >= 1:
+            return torch.ones(queries.shape[0], len(self.clusters), dtype=torch.bool)
+        cents, counts, visual = self.centroids()
+        d = queries.shape[-1]
+        scores = queries.float() @ cents.T / math.sqrt(d) + counts.log()        # [R, C] log-mass
+        groups = torch.unique(visual)
+        onehot = (visual.unsqueeze(0) == groups.unsqueeze(1)).float()           # [V, C]
+        group_scores = torch.logsumexp(scores.unsqueeze(1) + (onehot.log()).unsqueeze(0), dim=-1)   # [R, V]
+        keep_groups = wicsum(group_scores, max(alpha, visual_keep))             # stage 1
+        allowed = (keep_groups.float() @ onehot) > 0                            # [R, C]
+        stage2 = wicsum(scores.masked_fill(~allowed, float("-inf")), alpha) & allowed
+        reps = torch.zeros_like(stage2)
+        masked = scores.unsqueeze(1).expand(-1, len(groups), -1).masked_fill(onehot.unsqueeze(0) == 0,
+                                                                             float("-inf"))
+        reps.scatter_(1, masked.argmax(-1), True)                               # one per visual group
+        return stage2 | reps
+
+    def token_mask(self, cluster_mask: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[R, C] cluster selection -> [R, n_tokens] token selection."""
+        owner = torch.full((n_tokens,), -1, dtype=torch.long)
+        for i, c in enumerate(self.clusters):
+            owner[torch.tensor(c.tokens)] = i
+        valid = owner >= 0
+        out = torch.zeros(cluster_mask.shape[0], n_tokens, dtype=torch.bool)
+        out[:, valid] = cluster_mask[:, owner[valid]]
+        return out
+
+
+def prefetch_hit_rate(index_next: MosaicIndex, queries_this: torch.Tensor, queries_next: torch.Tensor,
+                      alpha: float) -> tuple[float, torch.Tensor]:
+    """Cross-layer prefetch: clusters of layer l+1 predicted from layer l's queries;
+    (share of the real layer-(l+1) selection that was prefetched, the clusters the
+    completion step must still fetch)."""
+    predicted = index_next.select(queries_this, alpha).any(0)
+    actual = index_next.select(queries_next, alpha).any(0)
+    missed = actual & ~predicted
+    hit = float((actual & predicted).sum() / actual.sum().clamp_min(1))
+    return hit, torch.nonzero(missed).flatten()

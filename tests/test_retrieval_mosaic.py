@@ -1,0 +1,98 @@
+"""Mosaic nested clustering, two-stage selection, online assignment, deferred splits, prefetch."""
+
+import torch
+
+from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate
+
+
+def session(frames=12, per_frame=32, D=32, seed=0):
+    """Frames drawn from 3 'scenes'; tokens of a frame spread around 4 scene topics."""
+    g = torch.Generator().manual_seed(seed)
+    scenes = torch.randn(3, 4, D, generator=g) * 4
+    scene_of = torch.arange(frames) % 3
+    keys = []
+    for f in range(frames):
+        topics = scenes[scene_of[f]]
+        keys.append(topics[torch.randint(0, 4, (per_frame,), generator=g)] + 0.2 * torch.randn(per_frame, D,
+                                                                                                 generator=g))
+    keys = torch.cat(keys)
+    frame_of = torch.arange(frames).repeat_interleave(per_frame)
+    emb = torch.zeros(frames, D).index_add_(0, frame_of, torch.nn.functional.normalize(keys, dim=-1))
+    return keys, frame_of, emb, scene_of
+
+
+def test_visual_kmeans_recovers_scenes():
+    keys, frame_of, emb, scene_of = session()
+    labels = cosine_kmeans(emb, 3)
+    for s in range(3):   # frames of one scene share one label, different scenes differ
+        assert torch.unique(labels[scene_of == s]).numel() == 1
+    assert torch.unique(labels).numel() == 3
+
+
+def test_index_partitions_tokens_and_selection_bounds():
+    keys, frame_of, emb, _ = session()
+    visual = cosine_kmeans(emb, 3)
+    index = MosaicIndex.build(keys, frame_of, visual, per_visual=4)
+    tokens = sorted(t for c in index.clusters for t in c.tokens)
+    assert tokens == list(range(keys.shape[0]))
+    for c in index.clusters:
+        assert bool((visual[frame_of[torch.tensor(c.tokens)]] == c.visual).all())
+        assert torch.allclose(c.centroid, keys[torch.tensor(c.tokens)].mean(0), atol=1e-4)
+    q = keys[:5] + 0.1
+    assert bool(index.select(q, 1.0).all())
+    small = index.select(q, 0.3)
+    assert bool(small.any(-1).all()) and not bool(small.all())
+    per_group = {c.visual for c in index.clusters}
+    # the global representatives: every visual group keeps at least one cluster per row
+    for v in per_group:
+        ids = [i for i, c in enumerate(index.clusters) if c.visual == v]
+        assert bool(small[:, ids].any(-1).all())
+    mask = index.token_mask(small, keys.shape[0])
+    assert mask.shape == (5, keys.shape[0])
+    assert bool((mask.sum(-1) == torch.tensor([sum(index.clusters[i].count for i in torch.nonzero(r).flatten())
+                                               for r in small])).all())
+
+
+def test_online_assignment_joins_near_tokens_and_opens_clusters_for_far_ones():
+    keys, frame_of, emb, _ = session()
+    visual = cosine_kmeans(emb, 3)
+    index = MosaicIndex.build(keys, frame_of, visual, per_visual=4)
+    before = len(index.clusters)
+    near = index.clusters[0].centroid + 0.01
+    cid = index.assign(10_000, near, index.clusters[0].visual)
+    assert cid == 0 and index.clusters[0].tokens[-1] == 10_000
+    far = index.clusters[0].centroid + 100.0
+    cid = index.assign(10_001, far, index.clusters[0].visual)
+    assert cid == before and len(index.clusters) == before + 1
+
+
+def test_split_is_deferred_until_applied():
+    D = 16
+    a, b = torch.zeros(D), torch.zeros(D)
+    a[0], b[1] = 1.0, 1.0
+    keys = torch.cat([a.expand(20, D), b.expand(20, D)]) + 0.01 * torch.randn(40, D)
+    index = MosaicIndex()
+    for t in range(40):
+        index.assign(t, keys[t], 0)
+        if len(index.clusters) > 1:        # the far half opened its own cluster: no split needed
+            break
+    c = index.clusters[0]
+    c.split_pending = True
+    for t in range(20, 40):                 # force a mixed cluster
+        if t not in c.tokens:
+            c.add(t, keys[t], float((keys[t] - c.centroid).norm()))
+    n = len(index.clusters)
+    ids = index.apply_split(0, keys)
+    assert len(ids) == 2 and len(index.clusters) == n + 1
+    halves = [set(index.clusters[i].tokens) for i in ids]
+    assert all(h <= set(range(20)) or h <= set(range(20, 40)) for h in halves)
+
+
+def test_cross_layer_prefetch_reports_hits_and_misses():
+    keys, frame_of, emb, _ = session()
+    index = MosaicIndex.build(keys, frame_of, cosine_kmeans(emb, 3), per_visual=4)
+    q = keys[:8]
+    hit, missed = prefetch_hit_rate(index, q, q, 0.9)
+    assert hit == 1.0 and missed.numel() == 0
+    hit2, missed2 = prefetch_hit_rate(index, -q, q, 0.9)
+    assert 0.0 <= hit2 < 1.0 and missed2.numel() > 0
