@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import shutil
 import socket
@@ -86,11 +87,16 @@ def wait_uploads(port: int, settle_s: float = 3.0) -> int:
 
 
 def reuse_ttft(llm, prompts) -> dict:
+    """Median TTFT of the reuse prompts, and the stored forms the fetcher chose for them."""
+    before = forms_used(llm)
     runs = []
     for p in prompts:
         llm.reset_prefix_cache()
         runs.append(ttft(llm, p))
-    return {"ttft_s": statistics.median(t for t, _ in runs), "cached_tokens": [c for _, c in runs]}
+    time.sleep(1.5)                  # connector stats reach the metrics with the next log interval
+    after = forms_used(llm)
+    return {"ttft_s": statistics.median(t for t, _ in runs), "cached_tokens": [c for _, c in runs],
+            "forms": {f: after[f] - before.get(f, 0) for f in after if after[f] - before.get(f, 0)}}
 
 
 def forms_used(llm) -> dict:
@@ -106,7 +112,10 @@ def forms_used(llm) -> dict:
 
 # -- 3. interference ---------------------------------------------------------------
 
-async def _interference_run(model, extra, reuse_prompts, short_prompts, args) -> dict:
+async def _interference_run(model, extra, reuse_prompts, short_prompts, args, resident: bool = False) -> dict:
+    """Short non-reuse requests arriving every ``short_every_s`` while the reuse
+    requests arrive spread over the same span; ``resident``: the reuse prefixes
+    are computed first and stay in vLLM's own cache (the no-fetch baseline)."""
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -137,6 +146,9 @@ async def _interference_run(model, extra, reuse_prompts, short_prompts, args) ->
         warm = short_prompts[-1]
         await one("warm", warm, 2, 0)
         await engine.reset_prefix_cache()
+        if resident:
+            for i, p in enumerate(reuse_prompts):
+                await one(f"resident{i}", p, 1, 0)
         measured = short_prompts[:-1]
         jobs = [one(f"short{i}", p, args.short_tokens, i * args.short_every_s) for i, p in enumerate(measured)]
         if reuse_prompts:
@@ -196,11 +208,11 @@ def main():
                 out["stored_keys"] = wait_uploads(port)
                 out["upload_wall_s"] = time.perf_counter() - t0
                 close(llm)
-                out["reuse"], out["trace"], out["forms_chosen"] = {}, {}, {}
+                out["reuse"], out["trace"] = {}, {}
                 modes = sorted(set(REUSE_MODES if "reuse" in parts else ()) | set(TRACE_MODES if "trace" in parts
                                                                                      else ()))
                 for mode in tqdm(modes, desc="fetch modes"):
-                    llm = make_llm(a.model, {**store, "fetch_form": mode})
+                    llm = make_llm(a.model, {**store, "fetch_form": mode}, disable_log_stats=False)
                     ttft(llm, corpus[-600:])
                     if "reuse" in parts and mode in REUSE_MODES:
                         for gbps in RATES_GBPS:
@@ -211,7 +223,6 @@ def main():
                         shaper.jitter = 0.1
                         out["trace"][mode] = reuse_ttft(llm, prompts)
                         set_rate(shaper, 40)
-                    out["forms_chosen"][mode] = forms_used(llm)
                     tqdm.write(f"{mode}: {out['reuse'].get(mode)} trace={out['trace'].get(mode)}")
                     close(llm)
                 if "interference" in parts:
@@ -219,13 +230,24 @@ def main():
                     out["interference"] = {"link_gbps": a.interference_gbps}
                     # no video encoding of the short prompts' uploads: it would compete for the CPU
                     cheap = {**store, "remote_forms": "raw,zstd"}
-                    for name, extra, reuse in (("no fetches", None, []),
-                                               ("kvreel async fetch", {**cheap, "fetch_mode": "async"}, prompts),
-                                               ("blocking fetch", {**cheap, "fetch_mode": "blocking"}, prompts)):
-                        out["interference"][name] = asyncio.run(_interference_run(a.model, extra, reuse, shorts, a))
+                    for name, extra, reuse, resident in (
+                            ("no reuse requests", None, [], False),
+                            ("prefixes resident (no fetch)", None, prompts, True),
+                            ("kvreel async fetch", {**cheap, "fetch_mode": "async"}, prompts, False),
+                            ("kvreel async fetch, 1 stream", {**cheap, "fetch_mode": "async", "fetch_streams": 1},
+                             prompts, False),
+                            ("blocking fetch", {**cheap, "fetch_mode": "blocking"}, prompts, False)):
+                        out["interference"][name] = asyncio.run(_interference_run(a.model, extra, reuse, shorts, a,
+                                                                                  resident))
                         tqdm.write(f"{name}: {out['interference'][name]}")
         finally:
             redis.kill()
+    previous = RESULTS / "remote_fetch.json"
+    if previous.exists() and parts != {"reuse", "trace", "interference"}:     # keep the parts not re-run
+        old = json.loads(previous.read_text())
+        for key in ("reuse", "trace", "interference"):
+            if not out.get(key) and old.get(key):
+                out[key] = old[key]
     path = save("remote_fetch", out)
     if out.get("reuse"):
         series = {f"kvreel {m}": [out["reuse"][m][str(g)]["ttft_s"] * 1000 for g in RATES_GBPS]
@@ -244,10 +266,11 @@ def _plot_interference(res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [k for k in res if k != "link_gbps"]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "short_ttft_p50_s", "non-reuse TTFT p50 (ms)"),
                            (axes[1], "short_tpot_mean_s", "non-reuse TPOT mean (ms)")):
-        ax.bar(names, [res[n][key] * 1000 for n in names], color=["grey", "tab:green", "tab:red"])
+        ax.bar(range(len(names)), [res[n][key] * 1000 for n in names])
+        ax.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names])
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"requests without reuse while others fetch over {res['link_gbps']} Gbps", fontsize=10)

@@ -27,10 +27,9 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
              "kv_role": "kv_both"}
 
 
-def make_llm(model, extra):
+def make_llm(model, extra, **kw):
     from vllm import LLM
     from vllm.config import KVTransferConfig
-    kw = {}
     if extra is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra)
     return LLM(model, enforce_eager=True, block_size=32, max_model_len=8192, gpu_memory_utilization=0.05,

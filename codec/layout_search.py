@@ -32,12 +32,15 @@ def _key(samples: torch.Tensor) -> str:
     return f"L{L}-H{H}-D{D}-B{B}"
 
 
-def search(samples: torch.Tensor, resolution: int, preset: str = "fast") -> tuple[lay.Tiling, dict[str, int]]:
-    """Try every candidate on up to SAMPLE_TOKENS tokens of the first layers; (best, sizes)."""
+def search(samples: torch.Tensor, resolution: int, preset: str = "fast",
+           progress=None) -> tuple[lay.Tiling, dict[str, int]]:
+    """Try every candidate on up to SAMPLE_TOKENS tokens of the first layers; (best, sizes).
+    ``progress``: wraps the candidate list (e.g. ``tqdm``)."""
     L, _, B, T, H, D = samples.shape
     part = samples[: min(L, 3), :, :, : min(T, SAMPLE_TOKENS)]
     sizes = {}
-    for tiling in lay.candidate_tilings(H, D):
+    candidates = lay.candidate_tilings(H, D)
+    for tiling in (progress(candidates) if progress else candidates):
         geo = lay.geometry("tiled", resolution, part.shape[3], H, D, tiling)
         total = 0
         for kv in range(2):
@@ -52,7 +55,9 @@ def search(samples: torch.Tensor, resolution: int, preset: str = "fast") -> tupl
     return best, sizes
 
 
-def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast") -> lay.Tiling:
+def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast", *, refresh: bool = False,
+                progress=None) -> lay.Tiling:
+    """The cached tiling for this model shape, searched (and cached) on a miss or ``refresh``."""
     key = _key(samples)
     with _lock:
         if key not in _memo:
@@ -60,10 +65,10 @@ def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast") ->
                 _memo.update(json.loads(cache_path().read_text()))
             except (OSError, ValueError):
                 pass
-        hit = _memo.get(key)
+        hit = None if refresh else _memo.get(key)
     if hit is not None:
         return lay.Tiling(**hit)
-    best, _ = search(samples, resolution, preset)
+    best, _ = search(samples, resolution, preset, progress)
     with _lock:
         _memo[key] = best.as_dict()
         try:

@@ -4,6 +4,9 @@
   kvreel doctor     what kvreel sees here (settings, tiers, codecs, GPU) and why a feature is off
   kvreel settings   the KVREEL_* reference (Markdown)
   kvreel inspect F  print the header of a stored chunk (disk/remote chunk file or codec container)
+  kvreel publish    compute the KV of documents offline and upload their chunks to the remote store
+  kvreel layout-search  search the codec's frame tiling for a model's KV (cached per model shape)
+  kvreel bench [NAME ARGS...]  run a benchmark of a source checkout (bench/NAME.py); no NAME: list them
 """
 
 from __future__ import annotations
@@ -213,6 +216,71 @@ def cmd_doctor(args) -> int:
     return status
 
 
+def _model_kv(model_dir: str, text: str, tokens: int):
+    """KV [layers, 2, tokens, kv_heads, head_dim] of a local model over ``text`` (transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(text)["input_ids"][:tokens]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                        for layer in cache.layers])
+
+
+def cmd_layout_search(args) -> int:
+    from tqdm import tqdm
+    from kvreel.codec.layout_search import best_tiling, cache_path
+    from kvreel.codec.quant import to_samples
+    text = Path(args.text).read_text(errors="ignore") if args.text else _demo_prompt(args.tokens * 2)
+    kv = _model_kv(args.model, text, args.tokens)
+    samples, _ = to_samples(kv, args.quant)
+    tiling = best_tiling(samples, args.resolution, refresh=True,
+                         progress=lambda c: tqdm(c, desc="tilings", unit="tiling"))
+    print(f"best tiling for {tuple(kv.shape)} ({args.quant}): head_rows={tiling.head_rows} fold={tiling.fold}"
+          f" -> cached in {cache_path()}")
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    from kvreel.connector.config import ConfigError, KVReelConfig
+    extra = {"remote_url": args.remote_url, "cpu_bytes": "0"}
+    try:
+        KVReelConfig.load(overrides=extra)
+    except ConfigError as e:
+        print(f"kvreel publish: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(args.model, enforce_eager=True, block_size=args.block_size, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              kv_transfer_config=KVTransferConfig(**json.loads(CONNECTOR_JSON), kv_connector_extra_config=extra))
+    tok = llm.get_tokenizer()
+    total = 0
+    for path in tqdm(args.documents, desc="documents", unit="doc"):
+        ids = tok(Path(path).read_text(errors="ignore"))["input_ids"][: args.max_model_len - 1]
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1), use_tqdm=False)
+        total += len(ids) // args.block_size * args.block_size
+    llm.llm_engine.engine_core.shutdown()      # drains the write-behind uploads
+    print(f"published {len(args.documents)} documents: {total} tokens in full blocks -> {args.remote_url}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    root = Path(__file__).resolve().parents[1] / "bench"
+    names = sorted(p.stem for p in root.glob("*.py") if p.stem not in ("common",)) if root.is_dir() else []
+    if not args.name:
+        print("benchmarks (run from a source checkout):", ", ".join(names) or "none found")
+        return 0
+    if args.name not in names:
+        print(f"kvreel bench: unknown benchmark {args.name!r}; known: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(root / f"{args.name}.py"), *args.args])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvreel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,6 +295,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="print a stored chunk's header")
     p.add_argument("chunk")
     p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("publish", help="compute documents' KV offline and upload it to the remote store")
+    p.add_argument("--model", required=True)
+    p.add_argument("--remote-url", required=True, help="redis://... or file:///...")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.05)
+    p.add_argument("documents", nargs="+")
+    p.set_defaults(fn=cmd_publish)
+    p = sub.add_parser("layout-search", help="search and cache the codec tiling for a model's KV")
+    p.add_argument("--model", required=True)
+    p.add_argument("--text", help="a text file to run the model on (default: Python source)")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--resolution", type=int, default=256)
+    p.add_argument("--quant", choices=("none", "int8"), default="none")
+    p.set_defaults(fn=cmd_layout_search)
+    p = sub.add_parser("bench", help="run a benchmark of a source checkout (no name: list them)")
+    p.add_argument("name", nargs="?")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)
 

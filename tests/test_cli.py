@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kvreel.codec import encode_chunk
@@ -45,3 +46,38 @@ def test_inspect_reads_both_formats(tmp_path):
     (tmp_path / "junk").write_bytes(b"hello world")
     bad = kvreel("inspect", str(tmp_path / "junk"))
     assert bad.returncode == 1 and "bad magic" in bad.stderr
+
+
+def test_bench_lists_and_refuses_unknown_names():
+    out = kvreel("bench")
+    assert out.returncode == 0 and "remote_fetch" in out.stdout and "retrieval_quality" in out.stdout
+    bad = kvreel("bench", "nope")
+    assert bad.returncode == 2 and "unknown benchmark 'nope'" in bad.stderr
+
+
+def test_layout_search_caches_the_tiling(tiny_model, tmp_path):
+    import json
+    out = kvreel("layout-search", "--model", tiny_model, "--tokens", "64", "--resolution", "144",
+                 env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "best tiling for" in out.stdout and "tilings" in out.stderr          # tqdm progress on stderr
+    cached = json.loads((tmp_path / "kvreel" / "layouts.json").read_text())
+    assert len(cached) == 1 and {"head_rows", "fold"} <= set(next(iter(cached.values())))
+
+
+@pytest.mark.vllm
+def test_publish_uploads_documents_that_a_fresh_engine_reuses(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+    from conftest import run_scenario
+    doc = tmp_path / "doc.py"
+    doc.write_text(open(os.__file__).read()[:6000])
+    store = f"file://{tmp_path / 'store'}"
+    out = kvreel("publish", "--model", tiny_model, "--remote-url", store, "--max-model-len", "2048", str(doc),
+                 env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "published 1 documents" in out.stdout
+    ids = AutoTokenizer.from_pretrained(tiny_model)(doc.read_text())["input_ids"][:2047]
+    res = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "0", "remote_url": store},
+                        "phases": [{"prompts": [ids]}]})
+    assert res["phases"][0][0]["num_cached_tokens"] == (len(ids) - 1) // 32 * 32
+    assert res["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"] == (len(ids) - 1) // 32
