@@ -6,18 +6,21 @@ top-k baselines, in one run.
 
 Setting (as in the issue): the last ``--frame`` tokens are the new "frame"; their
 queries (every query head of a KV group, every frame token: the rows) attend to
-the history before them. ``--sink`` first and ``--window`` last history tokens
-are always kept; every method chooses among the rest. Per layer and KV head:
-exact output O = softmax(q K^T / sqrt d) V over the history; a method's output
-uses only its selection. Error = ||O' - O|| / ||O||, recall = attention mass
-kept, fetched = tokens in the union of the frame's selections (a fetched token
-serves every row) over the candidates. Means over layers and heads.
+the history and, causally, to the frame itself. ``--sink`` first and
+``--window`` last history tokens and the frame are always kept; every method
+chooses among the rest of the history. Per layer and KV head: exact output
+O = softmax(q K^T / sqrt d) V; a method's output uses only its selection.
+Error = ||O' - O|| / ||O||, recall = attention mass kept, fetched = history
+tokens in the union of the frame's selections (a fetched token serves every
+row) over the candidates. Means over layers and heads.
 
 Methods: frame top-k (ReKV style; oracle frame scores, its best case), per-row
 top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
-per-row WiCSum on oracle mass (a bound, not a method), and ReSV: hash-bit
-clusters of post-RoPE keys, WiCSum on *predicted* mass (cluster size x
-exp(q . mean key)), whole clusters fetched.
+per-row WiCSum on oracle mass (a bound, not a method), ReSV: hash-bit clusters
+of post-RoPE keys, WiCSum on *predicted* mass (cluster size x exp(q . mean
+key)) per row or once per frame (on the rows' mean predicted distribution),
+whole clusters fetched, and Mosaic (nested visual/semantic clusters, two-stage
+WiCSum per frame, text segments standing in for frames).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from common import RESULTS, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
 from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate  # noqa: E402
-from kvreel.connector.retrieval.resv import cluster_keys, cluster_scores, hyperplanes, wicsum  # noqa: E402
+from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
+                                             wicsum)
 
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
@@ -43,10 +47,11 @@ RESV_CONFIGS = ((12, 0), (16, 1), (16, 2))          # (bits, hamming radius)
 MOSAIC_CONFIGS = (16, 32)                            # semantic clusters per visual cluster
 
 
-def evaluate(q, k, v, mask, cand):
-    """Error, recall, fetched share of one selection ``mask`` [R, N] over candidates ``cand``."""
+def evaluate(q, k, v, mask, cand, visible):
+    """Error, recall, fetched share of one selection ``mask`` [R, N] over candidates
+    ``cand``; ``visible`` [R, N]: what each row may attend to (causal)."""
     d = q.shape[-1]
-    logits = q @ k.T / math.sqrt(d)
+    logits = (q @ k.T / math.sqrt(d)).masked_fill(~visible, float("-inf"))
     p = torch.softmax(logits, -1)
     exact = p @ v
     restricted = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1)
@@ -58,15 +63,15 @@ def evaluate(q, k, v, mask, cand):
 
 
 def methods(q, k, v, always, cand, visual, page: int = 16):
-    """Yields (method, parameter, mask [R, N])."""
+    """Yields (method, parameter, mask [R, N]); ``always`` [R, N] is kept by every method."""
     R, N = q.shape[0], k.shape[0]
     d = q.shape[-1]
-    logits = q @ k.T / math.sqrt(d)
+    logits = (q @ k.T / math.sqrt(d)).masked_fill(~(always | cand), float("-inf"))
     p = torch.softmax(logits, -1)
     ncand = int(cand.sum())
 
     def with_always(m):
-        return m | always.unsqueeze(0)
+        return m | always
     frame_score = p.mean(0).masked_fill(~cand, -1)
     for r in RATIOS:
         n = max(1, int(r * ncand))
@@ -103,17 +108,19 @@ def methods(q, k, v, always, cand, visual, page: int = 16):
         cl = cluster_keys(k[idx], hyperplanes(d, bits, seed=1), ham)
         s = cluster_scores(q, cl)
         for a in ALPHAS:
-            keep = wicsum(s, a)                       # [R, C]
             m = torch.zeros(R, N, dtype=torch.bool)
-            m[:, idx] = keep[:, cl.labels]
-            yield f"ReSV {bits}b/h{ham}", a, with_always(m)
+            m[:, idx] = wicsum(s, a)[:, cl.labels]                       # each row its own clusters
+            yield f"ReSV {bits}b/h{ham} per row", a, with_always(m)
+            m = torch.zeros(R, N, dtype=torch.bool)
+            m[:, idx] = wicsum(frame_scores(s), a)[0, cl.labels]         # one fetch per frame
+            yield f"ReSV {bits}b/h{ham} per frame", a, with_always(m)
     frame_of, visual_labels = visual
     for per_visual in MOSAIC_CONFIGS:
         index = MosaicIndex.build(k[idx], frame_of[idx], visual_labels, per_visual)
         for a in ALPHAS:
             m = torch.zeros(R, N, dtype=torch.bool)
-            m[:, idx] = index.token_mask(index.select(q, a), idx.numel())
-            yield f"Mosaic {per_visual}/visual", a, with_always(m)
+            m[:, idx] = index.token_mask(index.select_frame(q, a).unsqueeze(0), idx.numel())
+            yield f"Mosaic {per_visual}/visual per frame", a, with_always(m)
 
 
 def main():
@@ -129,17 +136,17 @@ def main():
     L, Hq, T, D = q.shape
     Hkv = k.shape[1]
     hist = T - a.frame
-    always = torch.zeros(hist, dtype=torch.bool)
-    always[: a.sink] = True
-    always[hist - a.window:] = True
-    cand = ~always
+    cand = torch.zeros(T, dtype=torch.bool)
+    cand[a.sink: hist - a.window] = True
+    causal = torch.arange(T).unsqueeze(0) <= torch.arange(hist, T).unsqueeze(1)        # [frame, T]
     # text segments of --frame tokens stand in for video frames; a segment's
     # embedding is its mean normalized key over layers and heads
     frame_of = torch.arange(hist) // a.frame
     nf = int(frame_of.max()) + 1
     kn = torch.nn.functional.normalize(k[:, :, :hist], dim=-1).mean((0, 1))        # [hist, D]
     emb = torch.zeros(nf, D).index_add_(0, frame_of, kn)
-    visual = (frame_of, cosine_kmeans(emb, a.visual_clusters))
+    frame_of = torch.cat([frame_of, torch.full((a.frame,), nf)])                 # the new frame: its own id
+    visual = (frame_of, torch.cat([cosine_kmeans(emb, a.visual_clusters), torch.tensor([0])]))
     prefetch = []
     curves: dict[str, dict[float, list[tuple[float, float, float]]]] = {}
     per_head: dict[str, dict[float, list[list[float]]]] = {}
@@ -147,9 +154,11 @@ def main():
         for h in range(Hkv):
             group = range(h * Hq // Hkv, (h + 1) * Hq // Hkv)
             rows = torch.cat([q[layer, g, hist:] for g in group])
-            kk, vv = k[layer, h, :hist], v[layer, h, :hist]
+            kk, vv = k[layer, h], v[layer, h]
+            visible = causal.repeat(len(group), 1)
+            always = ~cand.unsqueeze(0) & visible       # sinks, window and the frame itself (causal)
             for name, param, mask in methods(rows, kk, vv, always, cand, visual):
-                res = evaluate(rows, kk, vv, mask, cand)
+                res = evaluate(rows, kk, vv, mask & visible, cand, visible)
                 curves.setdefault(name, {}).setdefault(param, []).append(res)
                 per_head.setdefault(name, {}).setdefault(param, []).append([layer, h, res[2], res[0]])
             if layer + 1 < L:          # cross-layer prefetch: layer l's rows predict layer l+1's clusters

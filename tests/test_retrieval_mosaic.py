@@ -96,3 +96,12 @@ def test_cross_layer_prefetch_reports_hits_and_misses():
     assert hit == 1.0 and missed.numel() == 0
     hit2, missed2 = prefetch_hit_rate(index, -q, q, 0.9)
     assert 0.0 <= hit2 < 1.0 and missed2.numel() > 0
+
+
+def test_frame_selection_serves_every_row():
+    keys, frame_of, emb, _ = session()
+    index = MosaicIndex.build(keys, frame_of, cosine_kmeans(emb, 3), per_visual=4)
+    q = keys[:8] + 0.05
+    frame = index.select_frame(q, 0.7)
+    assert frame.shape == (len(index.clusters),) and bool(frame.any())
+    assert bool(index.select_frame(q, 1.0).all())

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, hash_keys, hyperplanes, wicsum,
+from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hash_keys, hyperplanes,
+                                             wicsum,
                                              wicsum_bucketed)
 
 
@@ -77,3 +78,12 @@ def test_predicted_mass_uses_counts_and_mean_keys():
     q = torch.randn(5, 64)
     s = cluster_scores(q, cl)
     assert torch.allclose(s, q @ cl.means.T / 8.0 + cl.counts.float().log(), atol=1e-5)
+
+
+def test_frame_scores_are_the_rows_mean_distribution():
+    scores = torch.randn(6, 30)
+    agg = frame_scores(scores)
+    assert agg.shape == (1, 30)
+    assert torch.allclose(agg.exp()[0], torch.softmax(scores, -1).mean(0), atol=1e-6)
+    keep = wicsum(agg, 0.8)[0]
+    assert float(torch.softmax(scores, -1).mean(0)[keep].sum()) >= 0.8 - 1e-6

@@ -158,15 +158,27 @@ class MosaicIndex:
         visual = torch.tensor([c.visual for c in self.clusters])
         return cents, counts, visual
 
+    def scores(self, queries: torch.Tensor) -> torch.Tensor:
+        """[R, D] query rows -> [R, C] predicted log-mass (log size + q . centroid / sqrt d)."""
+        cents, counts, _ = self.centroids()
+        return queries.float() @ cents.T / math.sqrt(queries.shape[-1]) + counts.log()
+
     def select(self, queries: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
         """[R, C] bool: two-stage WiCSum selection per query row, plus the global
         representative (strongest cluster) of every visual group. Stage 1 keeps
         visual groups up to max(alpha, visual_keep) of the mass; alpha = 1 keeps all."""
+        return self.select_scores(self.scores(queries), alpha, visual_keep)
+
+    def select_frame(self, queries: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
+        """[C] bool: one selection for a whole frame (what is fetched once and
+        serves every row), on the rows' mean predicted attention distribution."""
+        mass = torch.softmax(self.scores(queries), dim=-1).mean(0)
+        return self.select_scores(mass.clamp_min(1e-30).log().unsqueeze(0), alpha, visual_keep)[0]
+
+    def select_scores(self, scores: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
         if alpha >= 1:
-            return torch.ones(queries.shape[0], len(self.clusters), dtype=torch.bool)
-        cents, counts, visual = self.centroids()
-        d = queries.shape[-1]
-        scores = queries.float() @ cents.T / math.sqrt(d) + counts.log()        # [R, C] log-mass
+            return torch.ones(scores.shape[0], len(self.clusters), dtype=torch.bool)
+        visual = torch.tensor([c.visual for c in self.clusters])
         groups = torch.unique(visual)
         onehot = (visual.unsqueeze(0) == groups.unsqueeze(1)).float()           # [V, C]
         group_scores = torch.logsumexp(scores.unsqueeze(1) + (onehot.log()).unsqueeze(0), dim=-1)   # [R, V]

@@ -101,6 +101,13 @@ def cluster_scores(queries: torch.Tensor, clusters: Clusters) -> torch.Tensor:
     return queries.float() @ clusters.means.T / math.sqrt(d) + clusters.counts.float().log()
 
 
+def frame_scores(scores: torch.Tensor) -> torch.Tensor:
+    """[R, C] per-row log-masses -> [1, C]: the log of the rows' mean predicted
+    attention distribution, for one selection per frame (what is fetched once
+    and serves every row of the frame)."""
+    return torch.softmax(scores, dim=-1).mean(0, keepdim=True).clamp_min(1e-30).log()
+
+
 def wicsum(scores: torch.Tensor, alpha: float) -> torch.Tensor:
     """[R, C] log-masses -> [R, C] bool: per row, the clusters in descending mass
     until the kept mass reaches ``alpha`` of the row's total (at least one)."""
