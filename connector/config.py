@@ -138,7 +138,8 @@ SETTINGS: tuple[Setting, ...] = (
             "async: a request whose prefix is on disk or remote waits in WAITING_FOR_REMOTE_KVS while others "
             "run; blocking loads inside the forward pass and stalls the batch (a baseline for benchmarks).",
             lambda v: v in ("async", "blocking")),
-    _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once (each also decodes its chunk).", 1, 64),
+    _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once; as many decoders (NVDEC sessions or "
+                 "CPU decode threads) decode behind them.", 1, 64),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 

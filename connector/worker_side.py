@@ -68,7 +68,7 @@ class KVReelWorker:
         profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
         fixed = None if cfg.fetch_form == "auto" else cfg.fetch_form
         self.fetcher = FetchController(self.remote, profile, streams=cfg.fetch_streams,
-                                       policy=cfg.fetch_policy, fixed_form=fixed)
+                                       policy=cfg.fetch_policy, fixed_form=fixed, device=pages.device)
         payload = synthetic_payload(torch.Size(chunk_shape))
         names = [f for f in ("raw", "zstd") if f in cfg.remote_forms] + \
             [f"video@{r}" for r in cfg.remote_resolutions if "video" in cfg.remote_forms]

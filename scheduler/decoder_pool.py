@@ -7,6 +7,7 @@ the CPU FFmpeg's decoder releases the GIL, so threads decode in parallel too.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -22,6 +23,7 @@ class DecoderPool:
         self.device = torch.device(device)
         self.decoder = decoder
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvreel-decode")
+        self._lock = threading.Lock()
         self._in_flight = 0
 
     @property
@@ -30,18 +32,25 @@ class DecoderPool:
         return self._in_flight / self.workers
 
     def submit(self, data: bytes, *, resolution: int | None = None, out: torch.Tensor | None = None) -> Future:
-        self._in_flight += 1
-        fut = self._pool.submit(self._decode, data, resolution, out)
+        """Decode one codec container."""
+        return self.run(decode_chunk, data, resolution=resolution, out=out, device=self.device, decoder=self.decoder)
+
+    def run(self, fn, *args, **kwargs) -> Future:
+        """Run any decode step (a stored form of a chunk, say) on the pool, counted in ``load``."""
+        with self._lock:
+            self._in_flight += 1
+        fut = self._pool.submit(self._call, fn, args, kwargs)
         fut.add_done_callback(self._done)
         return fut
 
-    def _decode(self, data, resolution, out):
+    def _call(self, fn, args, kwargs):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        return decode_chunk(data, resolution=resolution, out=out, device=self.device, decoder=self.decoder)
+        return fn(*args, **kwargs)
 
     def _done(self, _fut) -> None:
-        self._in_flight -= 1
+        with self._lock:
+            self._in_flight -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -8,8 +8,10 @@ share the link equally, a lone fetch gets every stream) or from the oldest
 request (``fcfs``). For every chunk the form is chosen just before
 it is fetched (``choose``: bandwidth measured on the previous transfers, decode
 time from the machine's profile scaled by the decoders' current load, a penalty
-for switching resolution), then it is decoded, verified and handed to
-``on_chunk`` (which restores it into the request's blocks) as soon as it arrives.
+for switching resolution). The stream then hands the bytes to the decoder pool
+and moves on to the next transfer (transfer and decoding overlap, at most two
+chunks per decoder ahead); each chunk is decoded, verified and handed to
+``on_chunk`` (which restores it into the request's blocks) as soon as it is ready.
 A damaged or missing form is dropped and the chunk is fetched raw instead; if
 the raw form fails too the chunk is reported failed (vLLM recomputes it).
 """
@@ -23,8 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
 from kvreel.scheduler.decode_profile import DecodeProfile
+from kvreel.scheduler.decoder_pool import DecoderPool
 
 logger = logging.getLogger("kvreel.fetch")
 SWITCH_PENALTY_S = 0.002     # a new decoder configuration when the resolution changes
@@ -54,16 +59,19 @@ class _Request:
 
 
 class FetchController:
-    def __init__(self, tier, profile: DecodeProfile, *, streams: int = 4, policy: str = "fair",
-                 fixed_form: str | None = None, initial_Bps: float = 1.25e9):
+    def __init__(self, tier, profile: DecodeProfile, *, streams: int = 4, decoders: int | None = None,
+                 policy: str = "fair", fixed_form: str | None = None, initial_Bps: float = 1.25e9,
+                 device: str | torch.device = "cpu"):
         if policy not in ("fair", "fcfs"):
             raise ValueError(f"policy must be fair or fcfs, got {policy!r}")
         self.tier, self.profile, self.policy, self.fixed_form = tier, profile, policy, fixed_form
         self.streams = streams
         self.bandwidth = BandwidthEstimator(initial_Bps)
+        self.decoders = DecoderPool(decoders or streams, device=device)
+        # transfers run ahead of decoding by at most this many chunks (bounded memory)
+        self._ahead = threading.BoundedSemaphore(2 * self.decoders.workers)
         self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()
         self._cond = threading.Condition()
-        self._decoding = 0
         self._served = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._worker, name=f"kvreel-fetch-{i}", daemon=True)
@@ -101,21 +109,65 @@ class FetchController:
         return None
 
     def _worker(self) -> None:
+        """A transfer stream: fetch a chunk's bytes, hand them to the decoder pool, go on."""
         while True:
             item = self._next_job()
             if item is None:
                 return
             req, (index, key, forms) = item
-            result = self._fetch_chunk(req, index, key, forms)
+            form = self.choose_form(forms, req.previous_form)
+            req.previous_form = form
+            self._ahead.acquire()                   # released once the chunk is fully handled
             try:
-                req.on_chunk(result)
+                fetched = self._transfer(index, key, form)
             finally:
                 with self._cond:
                     req.in_flight -= 1
-                    req.remaining -= 1
-                    if req.remaining == 0:
-                        self._requests.pop(req.req_id, None)
-                        req.done.set()
+            if isinstance(fetched, ChunkResult):    # the transfer itself failed
+                self._finish(req, key, fetched)
+            else:
+                self.decoders.run(self._decode, index, key, form, *fetched).add_done_callback(
+                    lambda fut, req=req, key=key: self._finish(req, key, fut.result()))
+
+    def _transfer(self, index: int, key: bytes, form: str):
+        """(bytes, seconds) of one stored form, or a failed ChunkResult."""
+        t0 = time.perf_counter()
+        try:
+            data = self.tier.get_form(key, form)
+        except Exception as e:  # noqa: BLE001 — any store failure is this chunk's failure
+            return ChunkResult(index, None, e, form)
+        dt = time.perf_counter() - t0
+        self.bandwidth.observe(len(data), dt)
+        return data, dt
+
+    def _decode(self, index: int, key: bytes, form: str, data: bytes, transmit_s: float) -> ChunkResult:
+        t0 = time.perf_counter()
+        try:
+            payload = self.tier.decode_form(form, data)
+        except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
+            self.tier.drop_form(key, form)
+            return ChunkResult(index, None, e, form, len(data), transmit_s)
+        dt = time.perf_counter() - t0
+        self.profile.observe(form, dt)
+        return ChunkResult(index, payload, None, form, len(data), transmit_s, dt)
+
+    def _finish(self, req: _Request, key: bytes, result: ChunkResult) -> None:
+        """A failed non-raw form is retried raw (inline); then the chunk goes to ``on_chunk``."""
+        try:
+            if result.error is not None and result.form != "raw":
+                logger.warning("kvreel: %s form of remote chunk %s failed (%s); fetching it raw",
+                               result.form, key.hex()[:16], result.error)
+                fetched = self._transfer(result.index, key, "raw")
+                result = fetched if isinstance(fetched, ChunkResult) else \
+                    self._decode(result.index, key, "raw", *fetched)
+            req.on_chunk(result)
+        finally:
+            self._ahead.release()
+            with self._cond:
+                req.remaining -= 1
+                if req.remaining == 0:
+                    self._requests.pop(req.req_id, None)
+                    req.done.set()
 
     def candidates(self, forms: dict[str, int]) -> list[Candidate]:
         """Stored forms with a known size and decode time (raw is always one)."""
@@ -131,43 +183,9 @@ class FetchController:
     def choose_form(self, forms: dict[str, int], previous: str | None) -> str:
         if self.fixed_form is not None:
             return self.fixed_form if self.fixed_form in forms else "raw"
-        with self._cond:
-            load = self._decoding / self.streams
-        best, _ = choose(self.candidates(forms), self.bandwidth.Bps, decoder_load=load,
+        best, _ = choose(self.candidates(forms), self.bandwidth.Bps, decoder_load=self.decoders.load,
                          previous=previous, switch_penalty_s=SWITCH_PENALTY_S)
         return best.name
-
-    def _fetch_chunk(self, req: _Request, index: int, key: bytes, forms: dict[str, int]) -> ChunkResult:
-        form = self.choose_form(forms, req.previous_form)
-        req.previous_form = form
-        result = self._try_form(index, key, form)
-        if result.error is not None and form != "raw":
-            logger.warning("kvreel: %s form of remote chunk %s failed (%s); fetching it raw",
-                           form, key.hex()[:16], result.error)
-            result = self._try_form(index, key, "raw")
-        return result
-
-    def _try_form(self, index: int, key: bytes, form: str) -> ChunkResult:
-        t0 = time.perf_counter()
-        try:
-            data = self.tier.get_form(key, form)
-        except Exception as e:  # noqa: BLE001 — any store failure is this chunk's failure
-            return ChunkResult(index, None, e, form)
-        t1 = time.perf_counter()
-        self.bandwidth.observe(len(data), t1 - t0)
-        with self._cond:
-            self._decoding += 1
-        try:
-            payload = self.tier.decode_form(form, data)
-        except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
-            self.tier.drop_form(key, form)
-            return ChunkResult(index, None, e, form, len(data), t1 - t0)
-        finally:
-            with self._cond:
-                self._decoding -= 1
-        t2 = time.perf_counter()
-        self.profile.observe(form, t2 - t1)
-        return ChunkResult(index, payload, None, form, len(data), t1 - t0, t2 - t1)
 
     def close(self) -> None:
         with self._cond:
@@ -175,4 +193,5 @@ class FetchController:
             self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
+        self.decoders.close()
         self.profile.save()

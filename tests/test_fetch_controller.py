@@ -43,42 +43,59 @@ def profile_for(tmp_path, tier, forms):
     return profile
 
 
-@pytest.mark.parametrize("policy", ["fair", "fcfs"])
-def test_concurrent_fetches_share_streams_fairly_or_fcfs(tmp_path, policy):
-    tier = make_tier(tmp_path / "store")
-    a_keys, a_data = upload(tier, 4, seed=1)
-    b_keys, b_data = upload(tier, 4, seed=2)
-    ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, policy=policy, fixed_form="raw")
-    order, b_submitted = [], threading.Event()
-    got: dict[tuple[str, int], torch.Tensor] = {}
+class RecordingTier:
+    """The real tier, recording the order of transfers; the first one waits until told."""
 
-    def recorder(name):
-        def on_chunk(r):
-            if not order:            # hold the only stream until B has queued behind A
-                assert b_submitted.wait(10)
-            order.append((name, r.index))
-            got[(name, r.index)] = r.payload
-        return on_chunk
-    ta = threading.Thread(target=ctrl.fetch, args=("A", a_keys, recorder("A")))
+    def __init__(self, tier):
+        self.tier, self.order, self.release = tier, [], threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tier, name)
+
+    def get_form(self, key, form):
+        if not self.order:
+            assert self.release.wait(10)
+        self.order.append(key)
+        return self.tier.get_form(key, form)
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_concurrent_fetches_share_the_link_fairly_or_fcfs(tmp_path, policy):
+    real = make_tier(tmp_path / "store")
+    a_keys, a_data = upload(real, 4, seed=1)
+    b_keys, b_data = upload(real, 4, seed=2)
+    tier = RecordingTier(real)
+    ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, policy=policy, fixed_form="raw")
+    got: dict[bytes, torch.Tensor] = {}
+    lock = threading.Lock()
+
+    def on_chunk(keys):
+        def record(r):
+            with lock:
+                got[keys[r.index]] = r.payload
+        return record
+    ta = threading.Thread(target=ctrl.fetch, args=("A", a_keys, on_chunk(a_keys)))
     ta.start()
-    while ctrl._requests.get("A") is None:
-        pass
-    tb = threading.Thread(target=ctrl.fetch, args=("B", b_keys, recorder("B")))
+    while not ctrl._requests.get("A") or ctrl._requests["A"].jobs and len(ctrl._requests["A"].jobs) == 4:
+        pass                                   # A's first transfer has started (and waits)
+    tb = threading.Thread(target=ctrl.fetch, args=("B", b_keys, on_chunk(b_keys)))
     tb.start()
     while ctrl._requests.get("B") is None:
         pass
-    b_submitted.set()
+    tier.release.set()
     ta.join(30)
     tb.join(30)
     ctrl.close()
-    tier.close()
+    real.close()
+    name = {k: ("A", i) for i, k in enumerate(a_keys)} | {k: ("B", i) for i, k in enumerate(b_keys)}
+    order = [name[k] for k in tier.order]
     if policy == "fair":
         assert order == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2), ("B", 2), ("A", 3), ("B", 3)]
     else:
         assert order == [("A", i) for i in range(4)] + [("B", i) for i in range(4)]
-    for name, data in (("A", a_data), ("B", b_data)):
-        for i, want in enumerate(data):
-            assert torch.equal(got[(name, i)], want)
+    for keys, data in ((a_keys, a_data), (b_keys, b_data)):
+        for k, want in zip(keys, data):
+            assert torch.equal(got[k], want)
 
 
 def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
