@@ -48,6 +48,15 @@ def block_key(identity: str, block_hash: bytes) -> str:
     return f"kvreel/{identity}/b/{block_hash.hex()}"
 
 
+def delete_quietly(store: "RemoteStore", key: str) -> None:
+    """Remove a damaged value so that lookups stop offering it; an unreachable
+    store is not an error here (the value is refused on every read anyway)."""
+    try:
+        store.delete(key)
+    except RemoteError:
+        pass
+
+
 def _check_key(key: str) -> str:
     if not KEY_RE.match(key) or ".." in key.split("/"):
         raise ValueError(f"invalid store key {key!r}")

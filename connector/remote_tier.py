@@ -28,7 +28,7 @@ import zstandard
 
 from kvreel.codec import ChunkError, decode_chunk, encode_chunk, read_header
 from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, encode_chunk_file, read_chunk
-from kvreel.connector.remote_store import RemoteError, block_key, chunk_key, open_store
+from kvreel.connector.remote_store import RemoteError, block_key, chunk_key, delete_quietly, open_store
 
 logger = logging.getLogger("kvreel.remote")
 _POINTER = struct.Struct("<32sI")
@@ -238,10 +238,7 @@ class RemoteTier:
 
     def drop_form(self, key: bytes, form: str) -> None:
         """Remove a damaged form so that lookups/fetches stop offering it."""
-        try:
-            self.store.delete(form_key(self.identity, form, key))
-        except RemoteError:
-            pass
+        delete_quietly(self.store, form_key(self.identity, form, key))
 
     def take_upload_failures(self) -> int:
         """Uploads failed or dropped since the last call (for the metrics)."""

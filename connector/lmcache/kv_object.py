@@ -60,6 +60,12 @@ def _zstd():
     return zstandard
 
 
+def group_tensors(obj) -> list[torch.Tensor]:
+    """An LMCache MemoryObj's tensors, one per kernel group."""
+    shapes = obj.get_shapes()
+    return [obj.tensor] if len(shapes) == 1 else [obj.get_tensor(i) for i in range(len(shapes))]
+
+
 def check_options(form: str, quant: str) -> None:
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")

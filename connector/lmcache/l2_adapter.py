@@ -36,9 +36,9 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from kvreel.connector.lmcache import serde  # registers the "kvreel" serde
-from kvreel.connector.lmcache.kv_object import (KVObjectError, decode_object, encode_object, object_length,
-                                                verify_object)
-from kvreel.connector.remote_store import RemoteError, open_store
+from kvreel.connector.lmcache.kv_object import (KVObjectError, decode_object, encode_object, group_tensors,
+                                                object_length, verify_object)
+from kvreel.connector.remote_store import RemoteError, delete_quietly, open_store
 
 logger = logging.getLogger("kvreel.lmcache")
 
@@ -137,7 +137,7 @@ class KVReelL2Adapter(L2AdapterInterface):
         n = object_length(data)
         if n is not None:    # written by the kvreel serde: keep its real size
             return data[:n].tobytes()
-        return encode_object(serde.object_key_string(key), serde.group_tensors(obj), form="raw")
+        return encode_object(serde.object_key_string(key), group_tensors(obj), form="raw")
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -183,17 +183,14 @@ class KVReelL2Adapter(L2AdapterInterface):
                 self._warn("load", e)
             except KVObjectError as e:
                 self._warn(f"load of a damaged object {skey}", e)
-                try:
-                    self.store.delete(skey)
-                except RemoteError:
-                    pass
+                delete_quietly(self.store, skey)
         if bits.popcount():
             self._notify_keys_accessed([k for i, k in enumerate(keys) if bits.test(i)])
         return bits
 
     @staticmethod
     def _fill(key: ObjectKey, obj: MemoryObj, data: bytes) -> None:
-        groups, key_str = serde.group_tensors(obj), serde.object_key_string(key)
+        groups, key_str = group_tensors(obj), serde.object_key_string(key)
         out = serde.object_bytes(obj)
         sections = verify_object(data, key_str)
         if len(groups) == 1 and groups[0].dim() == 1 and groups[0].dtype == torch.uint8 \

@@ -24,15 +24,14 @@ import hashlib
 import logging
 from typing import List, Optional
 
-import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvreel.connector.lmcache.kv_object import (KVObjectError, check_options, decode_object, encode_object,
-                                                object_groups)
-from kvreel.connector.remote_store import RemoteError, open_store
+                                                group_tensors, object_groups)
+from kvreel.connector.remote_store import RemoteError, delete_quietly, open_store
 
 logger = logging.getLogger("kvreel.lmcache")
 PLUGIN = "kvreel"
@@ -40,11 +39,6 @@ PLUGIN = "kvreel"
 
 def store_key(key: CacheEngineKey) -> str:
     return "kvreel/lmcache-v1/" + hashlib.sha256(key.to_string().encode()).hexdigest()
-
-
-def _tensors(obj: MemoryObj) -> list[torch.Tensor]:
-    shapes = obj.get_shapes()
-    return [obj.tensor] if len(shapes) == 1 else [obj.get_tensor(i) for i in range(len(shapes))]
 
 
 class KVReelRemoteConnector(RemoteConnector):
@@ -76,7 +70,7 @@ class KVReelRemoteConnector(RemoteConnector):
         return await self._run(self.exists_sync, key)
 
     def _put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        data = encode_object(key.to_string(), _tensors(memory_obj), form=self.form, quant=self.quant)
+        data = encode_object(key.to_string(), group_tensors(memory_obj), form=self.form, quant=self.quant)
         try:
             self.store.put(store_key(key), data)
         except (RemoteError, ValueError) as e:
@@ -97,7 +91,7 @@ class KVReelRemoteConnector(RemoteConnector):
                 logger.warning("kvreel LMCache plugin: no host memory for a fetched chunk")
                 return None
             try:
-                decode_object(data, key.to_string(), _tensors(obj))
+                decode_object(data, key.to_string(), group_tensors(obj))
             except KVObjectError:
                 obj.ref_count_down()
                 raise
@@ -106,10 +100,7 @@ class KVReelRemoteConnector(RemoteConnector):
             self._warn("get", e)
         except KVObjectError as e:
             self._warn(f"get of a damaged object {skey}", e)
-            try:
-                self.store.delete(skey)
-            except RemoteError:
-                pass
+            delete_quietly(self.store, skey)
         return None
 
     async def get(self, key: CacheEngineKey) -> Optional[MemoryObj]:

@@ -22,7 +22,7 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 from lmcache.v1.memory_management import MemoryObj
 
-from kvreel.connector.lmcache.kv_object import check_options, decode_object, encode_object
+from kvreel.connector.lmcache.kv_object import check_options, decode_object, encode_object, group_tensors
 
 SERDE_NAME = "kvreel"
 _HEADROOM = 1 << 16
@@ -31,14 +31,6 @@ _HEADROOM = 1 << 16
 def object_key_string(key: ObjectKey) -> str:
     """A stable text form of an LMCache ObjectKey (stored inside each object)."""
     return f"{key.model_name}@{key.kv_rank}@{key.object_group_id}@{key.cache_salt}@{key.chunk_hash.hex()}"
-
-
-def group_tensors(obj: MemoryObj) -> list[torch.Tensor]:
-    """The object's tensors, one per kernel group."""
-    shapes = obj.get_shapes()
-    if len(shapes) == 1:
-        return [obj.tensor]
-    return [obj.get_tensor(i) for i in range(len(shapes))]
 
 
 def object_bytes(obj: MemoryObj) -> torch.Tensor:
