@@ -7,6 +7,7 @@
   kvreel publish    compute the KV of documents offline and upload their chunks to the remote store
   kvreel layout-search  search the codec's frame tiling for a model's KV (cached per model shape)
   kvreel bench [NAME ARGS...]  run a benchmark of a source checkout (bench/NAME.py); no NAME: list them
+  kvreel dre --address A  run the DRE retrieval service standalone (Unix socket path or host:port)
 """
 
 from __future__ import annotations
@@ -282,6 +283,10 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["dre"]:        # the service parses its own arguments
+        from kvreel.connector.retrieval.dre_service import main as dre_main
+        return dre_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvreel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -314,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", nargs="?")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
+    sub.add_parser("dre", help="run the DRE retrieval service standalone (kvreel dre --help)")
     args = parser.parse_args(argv)
     return args.fn(args)
 

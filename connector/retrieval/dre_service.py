@@ -1,0 +1,364 @@
+"""The DRE: ReSV's prediction work (hashing, Hamming clustering, WiCSum) as an
+asynchronous co-processor service in its own process.
+
+Wire: a Unix-domain socket (or TCP on 127.0.0.1 unless told otherwise) carrying
+length-prefixed JSON messages; tensors never travel in them: the sender writes
+them into a POSIX shared-memory segment and names it, the receiver copies them
+out. Nothing is pickled. With a shared secret, a connection must first prove it
+(HMAC of a server nonce) before any request is served.
+
+Requests (each answered once, in any order, matched by ``id``):
+
+* ``cluster``  keys [T, D] of one (session, layer, head) -> its HC table is kept
+  by the service under that handle; reply: cluster count.
+* ``select``   queries [R, D], handle, alpha, per_frame -> bool cluster mask
+  [R or 1, C] and the token ids of the union [N] (shared memory).
+* ``drop``     forget a handle;  ``ping``  liveness.
+
+Requests that arrive together are served as one batch (the service drains its
+socket before computing). ``DREClient.submit`` returns a future; the caller
+waits as long as attention can afford and falls back to full attention when the
+answer is late or the service died (``DREProcess`` restarts it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, frame_scores, hyperplanes,
+                                             wicsum)
+
+logger = logging.getLogger("kvreel.dre")
+_LEN = struct.Struct("<I")
+MAX_MESSAGE = 1 << 20            # JSON headers only; tensors go through shared memory
+MAX_TENSOR_BYTES = 1 << 30
+DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "bool": np.bool_}
+
+
+class DREError(RuntimeError):
+    """The service refused a request, or is unreachable."""
+
+
+# -- shared memory -------------------------------------------------------------
+
+def put_tensor(t: torch.Tensor) -> dict:
+    """Copy a tensor into a new shared-memory segment; its descriptor (the
+    receiver copies it out and unlinks the segment)."""
+    arr = t.detach().cpu().contiguous().numpy()
+    shm = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
+    np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
+    desc = {"shm": shm.name, "shape": list(arr.shape), "dtype": arr.dtype.name}
+    # the receiver unlinks it; stop this process's tracker from unlinking it again at exit
+    resource_tracker.unregister(shm._name, "shared_memory")
+    shm.close()
+    return desc
+
+
+def take_tensor(desc: dict) -> torch.Tensor:
+    """Copy a tensor out of the named segment and unlink it; checked sizes only."""
+    dtype = DTYPES.get(str(desc.get("dtype")))
+    shape = [int(x) for x in desc.get("shape", [])]
+    if dtype is None or any(x < 0 for x in shape):
+        raise DREError(f"bad tensor descriptor {str(desc)[:120]}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise DREError(f"tensor of {nbytes} bytes exceeds the {MAX_TENSOR_BYTES}-byte limit")
+    shm = shared_memory.SharedMemory(name=str(desc["shm"]))
+    try:
+        if shm.size < nbytes:
+            raise DREError("shared-memory segment smaller than its descriptor")
+        out = torch.from_numpy(np.ndarray(shape, dtype, buffer=shm.buf).copy())
+    finally:
+        shm.close()
+        shm.unlink()
+    return out
+
+
+# -- framing -------------------------------------------------------------------
+
+def send_msg(sock: socket.socket, msg: dict) -> None:
+    raw = json.dumps(msg, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(raw)) + raw)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("connection closed")
+        buf += part
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_MESSAGE:
+        raise DREError(f"message of {n} bytes exceeds the {MAX_MESSAGE}-byte limit")
+    msg = json.loads(_recv_exact(sock, n))
+    if not isinstance(msg, dict):
+        raise DREError("message is not a JSON object")
+    return msg
+
+
+def _proof(secret: bytes, nonce: str) -> str:
+    return hmac.new(secret, nonce.encode(), "sha256").hexdigest()
+
+
+# -- the service -----------------------------------------------------------------
+
+class DREService:
+    """Holds HC tables per handle and answers requests in batches."""
+
+    def __init__(self, bits: int = 12, hamming: int = 0, device: str = "cpu", secret: bytes | None = None):
+        self.bits, self.hamming, self.device, self.secret = bits, hamming, torch.device(device), secret
+        self.tables: dict[str, object] = {}
+        self._planes: dict[int, torch.Tensor] = {}
+
+    def handle(self, msg: dict) -> dict:
+        op = msg.get("op")
+        if op == "ping":
+            return {"ok": True}
+        if op == "drop":
+            self.tables.pop(str(msg.get("handle")), None)
+            return {"ok": True}
+        if op == "cluster":
+            keys = take_tensor(msg["keys"]).float()
+            planes = self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
+            cl = cluster_keys(keys, planes, self.hamming)
+            # scoring and WiCSum run on the service's device (a GPU: torch kernels)
+            self.tables[str(msg["handle"])] = Clusters(cl.labels, cl.means.to(self.device),
+                                                       cl.counts.to(self.device), cl.codes)
+            return {"ok": True, "clusters": cl.num_clusters}
+        if op == "select":
+            queries = take_tensor(msg["queries"]).to(self.device, torch.float32)
+            cl = self.tables.get(str(msg.get("handle")))
+            if cl is None:
+                raise DREError(f"unknown handle {str(msg.get('handle'))[:80]!r}")
+            scores = cluster_scores(queries, cl)
+            mask = wicsum(frame_scores(scores) if msg.get("per_frame") else scores,
+                          float(msg.get("alpha", 1.0))).cpu()
+            tokens = cl.tokens(torch.nonzero(mask.any(0)).flatten())
+            return {"ok": True, "mask": put_tensor(mask), "tokens": put_tensor(tokens)}
+        raise DREError(f"unknown op {str(op)[:40]!r}")
+
+    def serve(self, address: str) -> None:
+        """Serve until killed. ``address``: a filesystem path (Unix socket) or host:port."""
+        listener = _listen(address)
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ)
+        authed: dict[socket.socket, str | None] = {}
+        print(f"kvreel DRE listening on {address}", flush=True)
+        while True:
+            batch = []
+            for key, _ in sel.select():
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    nonce = secrets.token_hex(16) if self.secret else None
+                    authed[conn] = nonce
+                    sel.register(conn, selectors.EVENT_READ)
+                    send_msg(conn, {"hello": "kvreel-dre", "nonce": nonce})
+                    continue
+                conn = key.fileobj
+                try:
+                    msg = recv_msg(conn)
+                except (ConnectionError, DREError, ValueError):
+                    sel.unregister(conn)
+                    authed.pop(conn, None)
+                    conn.close()
+                    continue
+                nonce = authed.get(conn)
+                if nonce is not None:          # the first message must prove the secret
+                    if msg.get("op") != "auth" or not hmac.compare_digest(str(msg.get("proof", "")),
+                                                                          _proof(self.secret, nonce)):
+                        send_msg(conn, {"id": msg.get("id"), "ok": False, "error": "authentication failed"})
+                        sel.unregister(conn)
+                        authed.pop(conn, None)
+                        conn.close()
+                        continue
+                    authed[conn] = None
+                    send_msg(conn, {"id": msg.get("id"), "ok": True})
+                    continue
+                batch.append((conn, msg))
+            for conn, msg in batch:            # everything that arrived together, served together
+                try:
+                    reply = self.handle(msg)
+                except (DREError, KeyError, ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+                    reply = {"ok": False, "error": str(e)[:500]}
+                reply["id"] = msg.get("id")
+                try:
+                    send_msg(conn, reply)
+                except OSError:
+                    pass
+
+
+def _listen(address: str) -> socket.socket:
+    if "/" in address:
+        if os.path.exists(address):
+            os.unlink(address)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(address)
+        os.chmod(address, 0o600)
+    else:
+        host, _, port = address.rpartition(":")
+        s = socket.create_server((host or "127.0.0.1", int(port)))
+    s.listen(16)
+    return s
+
+
+def _connect(address: str, timeout: float) -> socket.socket:
+    if "/" in address:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        s.connect(address)
+    else:
+        host, _, port = address.rpartition(":")
+        s = socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout)
+    s.settimeout(None)
+    return s
+
+
+# -- the client ------------------------------------------------------------------
+
+class DREClient:
+    """submit(op, **fields) -> Future of the reply (tensors already copied out)."""
+
+    def __init__(self, address: str, secret: bytes | None = None, connect_timeout: float = 5.0):
+        self.sock = _connect(address, connect_timeout)
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._next = 0
+        self.alive = True
+        hello = recv_msg(self.sock)
+        if hello.get("nonce"):
+            if secret is None:
+                raise DREError("the DRE service requires a shared secret")
+            send_msg(self.sock, {"op": "auth", "id": -1, "proof": _proof(secret, hello["nonce"])})
+            if not recv_msg(self.sock).get("ok"):
+                raise DREError("the DRE service refused the shared secret")
+        self._reader = threading.Thread(target=self._read, name="kvreel-dre-client", daemon=True)
+        self._reader.start()
+
+    def submit(self, op: str, **fields) -> Future:
+        fut: Future = Future()
+        msg = {"op": op}
+        for k, v in fields.items():
+            msg[k] = put_tensor(v) if isinstance(v, torch.Tensor) else v
+        with self._lock:
+            if not self.alive:
+                fut.set_exception(DREError("the DRE service is gone"))
+                return fut
+            msg["id"] = self._next
+            self._pending[self._next] = fut
+            self._next += 1
+            try:
+                send_msg(self.sock, msg)
+            except OSError as e:
+                self._pending.pop(msg["id"], None)
+                fut.set_exception(DREError(f"the DRE service is unreachable: {e}"))
+        return fut
+
+    def _read(self) -> None:
+        try:
+            while True:
+                reply = recv_msg(self.sock)
+                with self._lock:
+                    fut = self._pending.pop(reply.get("id"), None)
+                if fut is None:
+                    continue
+                if not reply.get("ok"):
+                    fut.set_exception(DREError(reply.get("error", "request failed")))
+                    continue
+                fut.set_result({k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v
+                                for k, v in reply.items()})
+        except (ConnectionError, OSError, DREError, ValueError):
+            pass
+        with self._lock:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(DREError("the DRE service died"))
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class DREProcess:
+    """Starts the service as a child process, and restarts it when it dies."""
+
+    def __init__(self, address: str, secret: bytes | None = None, bits: int = 12, hamming: int = 0):
+        self.address, self.secret, self.bits, self.hamming = address, secret, bits, hamming
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self, timeout: float = 30.0) -> DREClient:
+        env = dict(os.environ)
+        if self.secret:
+            env["KVREEL_DRE_SECRET_HEX"] = self.secret.hex()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.retrieval.dre_service",
+                                      "--address", self.address, "--bits", str(self.bits),
+                                      "--hamming", str(self.hamming)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return DREClient(self.address, self.secret)
+            except (OSError, DREError, ConnectionError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise DREError(f"the DRE service did not start (exit {self.proc.poll()})") from None
+                time.sleep(0.05)
+
+    def ensure(self, client: DREClient | None) -> DREClient:
+        """The live client, or a new one after restarting a dead service."""
+        if client is not None and client.alive and self.proc is not None and self.proc.poll() is None:
+            return client
+        if client is not None:
+            client.close()
+        self.stop()
+        self.restarts += 1
+        logger.warning("kvreel: DRE service died; restarting it (restart %d)", self.restarts)
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvreel dre", description="run the DRE service standalone")
+    ap.add_argument("--address", required=True,
+                    help="a Unix-socket path, or host:port (host defaults to 127.0.0.1)")
+    ap.add_argument("--bits", type=int, default=12)
+    ap.add_argument("--hamming", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args(argv)
+    hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
+    secret = bytes.fromhex(hex_secret) if hex_secret else None
+    DREService(a.bits, a.hamming, a.device, secret).serve(a.address)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

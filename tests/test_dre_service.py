@@ -1,0 +1,149 @@
+"""The DRE service in its own process: same answers as in-process ReSV, shared
+memory and JSON only, batching, shared-secret auth, death and restart."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from kvreel.connector.retrieval.dre_service import DREClient, DREError, DREProcess, put_tensor, take_tensor
+from kvreel.connector.retrieval.resv import cluster_keys, cluster_scores, frame_scores, hyperplanes, wicsum
+
+
+def data(T=600, D=64, R=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(16, D, generator=g) * 2
+    keys = centers[torch.randint(0, 16, (T,), generator=g)] + 0.5 * torch.randn(T, D, generator=g)
+    queries = centers[torch.randint(0, 16, (R,), generator=g)] + torch.randn(R, D, generator=g)
+    return keys, queries
+
+
+@pytest.fixture
+def dre(tmp_path):
+    proc = DREProcess(str(tmp_path / "dre.sock"), bits=12, hamming=1)
+    client = proc.start()
+    yield proc, client
+    client.close()
+    proc.stop()
+
+
+def expected(keys, queries, alpha, per_frame):
+    cl = cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1)
+    s = cluster_scores(queries, cl)
+    mask = wicsum(frame_scores(s) if per_frame else s, alpha)
+    return cl, mask, cl.tokens(torch.nonzero(mask.any(0)).flatten())
+
+
+@pytest.mark.parametrize("per_frame", [False, True])
+def test_service_answers_exactly_what_resv_computes_in_process(dre, per_frame):
+    _, client = dre
+    keys, queries = data()
+    cl, mask, tokens = expected(keys, queries, 0.9, per_frame)
+    assert client.submit("cluster", handle="s0/l3/h1", keys=keys).result(10)["clusters"] == cl.num_clusters
+    reply = client.submit("select", handle="s0/l3/h1", queries=queries, alpha=0.9,
+                          per_frame=per_frame).result(10)
+    assert torch.equal(reply["mask"], mask) and torch.equal(reply["tokens"], tokens)
+
+
+def test_requests_in_flight_together_are_all_answered(dre):
+    _, client = dre
+    handles = []
+    for i in range(4):
+        keys, _ = data(seed=i)
+        client.submit("cluster", handle=f"h{i}", keys=keys)
+        handles.append((f"h{i}", keys))
+    futs = []
+    for j in range(20):
+        name, keys = handles[j % 4]
+        _, queries = data(seed=100 + j)
+        futs.append((client.submit("select", handle=name, queries=queries, alpha=0.8), keys, queries))
+    for fut, keys, queries in futs:
+        assert torch.equal(fut.result(20)["tokens"], expected(keys, queries, 0.8, False)[2])
+
+
+def test_bad_requests_get_clear_errors_and_do_not_stop_the_service(dre, tmp_path):
+    _, client = dre
+    _, queries = data()
+    with pytest.raises(DREError, match="unknown handle"):
+        client.submit("select", handle="nope", queries=queries, alpha=0.5).result(10)
+    with pytest.raises(DREError, match="unknown op"):
+        client.submit("unpickle").result(10)
+    raw = socket.socket(socket.AF_UNIX)            # a peer that sends an oversized header
+    raw.connect(str(tmp_path / "dre.sock"))
+    raw.sendall((1 << 30).to_bytes(4, "little"))
+    raw.close()
+    assert client.submit("ping").result(10)["ok"]
+
+
+def test_shared_secret_is_required_and_checked(tmp_path):
+    proc = DREProcess(str(tmp_path / "s.sock"), secret=b"correct horse")
+    client = proc.start()
+    try:
+        assert client.submit("ping").result(10)["ok"]
+        with pytest.raises(DREError, match="requires a shared secret"):
+            DREClient(str(tmp_path / "s.sock"))
+        with pytest.raises(DREError, match="refused the shared secret"):
+            DREClient(str(tmp_path / "s.sock"), secret=b"wrong")
+    finally:
+        client.close()
+        proc.stop()
+
+
+def test_a_dead_service_fails_pending_requests_and_is_restarted(dre):
+    proc, client = dre
+    keys, queries = data()
+    client.submit("cluster", handle="h", keys=keys).result(10)
+    proc.proc.kill()
+    proc.proc.wait()
+    with pytest.raises(DREError, match="died|gone|unreachable"):
+        client.submit("select", handle="h", queries=queries, alpha=0.9).result(10)
+    fresh = proc.ensure(client)
+    assert fresh is not client and proc.restarts == 1
+    assert fresh.submit("ping").result(10)["ok"]
+    with pytest.raises(DREError, match="unknown handle"):     # state is gone: the caller re-clusters
+        fresh.submit("select", handle="h", queries=queries, alpha=0.9).result(10)
+    fresh.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses listening on ``port``, from /proc/net/tcp."""
+    out = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if int(p, 16) == port and state == "0A":
+            out.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return out
+
+
+def test_kvreel_dre_over_tcp_binds_loopback_by_default():
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.cli", "dre",
+                             "--address", f":{port}"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in proc.stdout.readline()
+        assert listening_addresses(port) == {"127.0.0.1"}
+        client = DREClient(f"127.0.0.1:{port}")
+        assert client.submit("ping").result(10)["ok"]
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_shared_memory_descriptors_are_checked():
+    desc = put_tensor(torch.arange(10))
+    assert torch.equal(take_tensor(desc), torch.arange(10))
+    with pytest.raises(FileNotFoundError):       # taken once: the segment is gone
+        take_tensor(desc)
+    bad = put_tensor(torch.zeros(4))
+    with pytest.raises(DREError, match="smaller than its descriptor"):
+        take_tensor({**bad, "shape": [1 << 20]})
+    with pytest.raises(DREError, match="bad tensor descriptor"):
+        take_tensor({**bad, "dtype": "object"})
