@@ -168,33 +168,40 @@ class DREService:
         print(f"kvreel DRE listening on {address}", flush=True)
         while True:
             batch = []
+            def drop(conn):
+                sel.unregister(conn)
+                authed.pop(conn, None)
+                conn.close()
             for key, _ in sel.select():
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
                     nonce = secrets.token_hex(16) if self.secret else None
                     authed[conn] = nonce
                     sel.register(conn, selectors.EVENT_READ)
-                    send_msg(conn, {"hello": "kvreel-dre", "nonce": nonce})
+                    try:
+                        send_msg(conn, {"hello": "kvreel-dre", "nonce": nonce})
+                    except OSError:
+                        drop(conn)
                     continue
                 conn = key.fileobj
                 try:
                     msg = recv_msg(conn)
-                except (ConnectionError, DREError, ValueError):
-                    sel.unregister(conn)
-                    authed.pop(conn, None)
-                    conn.close()
+                except (OSError, DREError, ValueError):       # closed, oversized or not JSON
+                    drop(conn)
                     continue
                 nonce = authed.get(conn)
                 if nonce is not None:          # the first message must prove the secret
-                    if msg.get("op") != "auth" or not hmac.compare_digest(str(msg.get("proof", "")),
-                                                                          _proof(self.secret, nonce)):
-                        send_msg(conn, {"id": msg.get("id"), "ok": False, "error": "authentication failed"})
-                        sel.unregister(conn)
-                        authed.pop(conn, None)
-                        conn.close()
-                        continue
-                    authed[conn] = None
-                    send_msg(conn, {"id": msg.get("id"), "ok": True})
+                    ok = msg.get("op") == "auth" and hmac.compare_digest(str(msg.get("proof", "")),
+                                                                         _proof(self.secret, nonce))
+                    try:
+                        send_msg(conn, {"id": msg.get("id"), "ok": ok} if ok else
+                                 {"id": msg.get("id"), "ok": False, "error": "authentication failed"})
+                    except OSError:
+                        ok = False
+                    if ok:
+                        authed[conn] = None
+                    else:
+                        drop(conn)
                     continue
                 batch.append((conn, msg))
             for conn, msg in batch:            # everything that arrived together, served together
