@@ -1,0 +1,323 @@
+"""Soak and faults against vLLM's OpenAI server with kvreel (loopback only).
+
+    python bench/soak.py --model ../shared/models/tinycode-16m-4k --minutes 10
+
+Concurrent clients stream completions for a pool of prompts, most of them
+sharing one of a few long prefixes, the rest unique. kvreel runs with a small
+host tier (evictions all the time), a disk tier on a small tmpfs (when run as
+root) and Redis as the remote tier; vLLM's own prefix cache is reset every
+``--reset-every`` seconds so reuse goes through kvreel. During the run: Redis
+is killed and restarted empty, the disk tier is filled and freed, and stored
+chunks (disk files and Redis values) are corrupted. Every answer is compared
+with the answer plain vLLM gave for the same prompt alone, before the run
+(greedy, same model): a difference is a wrong answer. Reported: requests,
+errors, wrong answers, TTFT p50/p99 per phase, server memory over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, python_source_corpus, save  # noqa: E402
+
+CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+                        "kv_role": "kv_both"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, env: dict, kvreel: bool, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
+           "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8"]
+    if kvreel:
+        cmd += ["--kv-transfer-config", CONNECTOR]
+    proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited; see {log}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=5).read()
+            return proc, base
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError("server did not become healthy")
+            time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120) -> tuple[str, float, float]:
+    """(text, ttft seconds, total seconds) of one streamed greedy completion."""
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, text = None, []
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            piece = chunk["choices"][0].get("text", "")
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+    return "".join(text), ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            children = open(f"/proc/{p}/task/{p}/children").read().split()
+            todo += [int(c) for c in children]
+        except OSError:
+            continue
+    return total / 1024
+
+
+def start_redis(port: int, tmp: str) -> subprocess.Popen:
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc
+
+
+def corrupt(disk_dir: Path, redis_port: int, rng: random.Random) -> int:
+    """Flip a byte in a third of the stored chunks (disk files and Redis values); how many."""
+    import redis
+    n = 0
+    for path in list(disk_dir.rglob("*.kvr"))[::3]:
+        try:
+            data = bytearray(path.read_bytes())
+            data[rng.randrange(64, len(data))] ^= 0xFF
+            path.write_bytes(bytes(data))
+            n += 1
+        except (OSError, ValueError):
+            pass
+    try:
+        r = redis.Redis(port=redis_port)
+        for i, key in enumerate(r.scan_iter("kvreel/*/c/*")):
+            if i % 3 == 0:
+                size = r.strlen(key)
+                pos = rng.randrange(64, size)
+                r.setrange(key, pos, bytes([r.getrange(key, pos, pos)[0] ^ 0xFF]))
+                n += 1
+    except redis.RedisError:
+        pass
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--prefixes", type=int, default=6)
+    ap.add_argument("--prefix-tokens", type=int, default=1536)
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--reset-every", type=float, default=20)
+    ap.add_argument("--host-bytes", default="8MiB", help="kvreel host tier: small, so disk and Redis serve too")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    rng = random.Random(0)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    corpus = tok(python_source_corpus(2_000_000))["input_ids"]
+    prefixes = [corpus[i * a.prefix_tokens:(i + 1) * a.prefix_tokens] for i in range(a.prefixes)]
+    tail = corpus[a.prefixes * a.prefix_tokens:]
+    prompts = []
+    for i in range(a.prompts):
+        suffix = tail[i * 97:(i * 97) + 64]
+        if i % 4 == 3:                     # a quarter share nothing
+            prompts.append(tail[200_000 + i * 700:200_000 + i * 700 + 700])
+        else:
+            prompts.append(prefixes[i % a.prefixes] + suffix)
+
+    work = Path(tempfile.mkdtemp(prefix="kvreel-soak-"))
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    # reference: plain vLLM, each prompt alone
+    server, base = start_server(a.model, env, False, work / "reference.log")
+    reference = [complete(base, p, a.max_tokens)[0] for p in tqdm(prompts, desc="reference answers")]
+    stop(server)
+
+    disk = work / "disk"
+    disk.mkdir()
+    tmpfs = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)],
+                                                 capture_output=True).returncode == 0
+    redis_port = free_port()
+    redis_dir = tempfile.mkdtemp(prefix="kvreel-soak-redis-")
+    redis = start_redis(redis_port, redis_dir)
+    kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
+            "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1"}
+    server, base = start_server(a.model, kenv, True, work / "kvreel.log")
+    duration = a.minutes * 60
+    faults = [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
+              (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted")]
+    events, samples, results = [], [], []
+    lock = threading.Lock()
+    t_start = time.monotonic()
+    stop_at = t_start + duration
+
+    def client(seed):
+        r = random.Random(seed)
+        while time.monotonic() < stop_at:
+            i = r.randrange(len(prompts))
+            t = time.monotonic() - t_start
+            try:
+                text, ttft, total = complete(base, prompts[i], a.max_tokens)
+                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "wrong": text != reference[i]}
+            except Exception as e:  # noqa: BLE001 — an error is a result here
+                rec = {"t": t, "prompt": i, "ok": False, "error": str(e)[:200]}
+            with lock:
+                results.append(rec)
+
+    threads = [threading.Thread(target=client, args=(s,), daemon=True) for s in range(a.clients)]
+    for th in threads:
+        th.start()
+    next_reset = a.reset_every
+    bar = tqdm(total=int(duration), desc="soak", unit="s")
+    filler = disk / "filler.bin"
+    while time.monotonic() < stop_at:
+        now = time.monotonic() - t_start
+        while faults and now >= faults[0][0] * duration:
+            _, what = faults.pop(0)
+            n = ""
+            if what == "redis killed":
+                redis.kill()
+                redis.wait()
+            elif what.startswith("redis restarted"):
+                redis = start_redis(redis_port, redis_dir)
+            elif what == "disk filled":
+                with open(filler, "wb") as f:
+                    try:
+                        while True:
+                            f.write(b"\0" * (1 << 20))
+                            f.flush()
+                    except OSError:
+                        pass
+            elif what == "disk freed":
+                filler.unlink(missing_ok=True)
+            else:
+                n = f" ({corrupt(disk, redis_port, rng)} chunks)"
+            events.append({"t": now, "event": what + n})
+            tqdm.write(f"{now:6.0f}s  {what}{n}")
+        if now >= next_reset:
+            try:
+                urllib.request.urlopen(urllib.request.Request(base + "/reset_prefix_cache", data=b"{}",
+                                                              method="POST"), timeout=30).read()
+            except OSError:
+                pass
+            next_reset += a.reset_every
+        samples.append({"t": now, "rss_mib": tree_rss_mib(server.pid)})
+        bar.update(int(now) - bar.n)
+        time.sleep(5)
+    for th in threads:
+        th.join(timeout=180)
+    bar.close()
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    kvreel_metrics = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in metrics.splitlines()
+                      if line.startswith("vllm:kvreel_") and "_created" not in line}
+    stop(server)
+    redis.kill()
+    if tmpfs:
+        subprocess.run(["umount", str(disk)])
+
+    ok = [r for r in results if r["ok"]]
+    ttfts = sorted(r["ttft"] for r in ok)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+    phases = {}
+    marks = [0.0] + [e["t"] for e in events] + [duration]
+    labels = ["start"] + [e["event"] for e in events]
+    for lo, hi, label in zip(marks, marks[1:], labels):
+        xs = sorted(r["ttft"] for r in ok if lo <= r["t"] < hi)
+        phases[f"{lo:.0f}-{hi:.0f}s after {label}"] = {"requests": len(xs), "ttft_p50_s": pct(xs, 0.5),
+                                                        "ttft_p99_s": pct(xs, 0.99)}
+    out = {"model": a.model, "minutes": a.minutes, "clients": a.clients, "prompts": a.prompts,
+           "disk_tier_on_tmpfs": tmpfs, "requests": len(results), "served": len(ok),
+           "errors": len(results) - len(ok), "wrong_answers": sum(r["wrong"] for r in ok),
+           "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+           "rss_mib": {"first": samples[0]["rss_mib"], "last": samples[-1]["rss_mib"],
+                       "max": max(s["rss_mib"] for s in samples)},
+           "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
+           "error_examples": [r["error"] for r in results if not r["ok"]][:5], "memory": samples}
+    path = save("soak", out)
+    _plot(results, samples, events)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics")}, indent=1))
+    print("wrote", path)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _plot(results, samples, events):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    ok = [r for r in results if r["ok"]]
+    ax[0].scatter([r["t"] for r in ok], [r["ttft"] * 1000 for r in ok], s=3,
+                  c=["red" if r["wrong"] else "tab:blue" for r in ok])
+    bad = [r for r in results if not r["ok"]]
+    ax[0].scatter([r["t"] for r in bad], [1] * len(bad), s=12, marker="x", color="black", label="errors")
+    ax[0].set_yscale("log")
+    ax[0].set_ylabel("TTFT (ms)")
+    ax[1].plot([s["t"] for s in samples], [s["rss_mib"] for s in samples])
+    ax[1].set_ylabel("server RSS (MiB)")
+    ax[1].set_xlabel("seconds")
+    for e in events:
+        for axis in ax:
+            axis.axvline(e["t"], color="grey", lw=0.7, ls="--")
+        ax[0].text(e["t"], ax[0].get_ylim()[1], e["event"], rotation=90, fontsize=6, va="top")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "soak.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
