@@ -101,11 +101,13 @@ class RemoteLookups:
         self.store.close()
 
 
-def form_key(identity: str, form: str, key: bytes) -> str:
-    """Store key of one stored form of a chunk (the raw form is ``chunk_key``)."""
+def form_key(identity: str, form: str, key: bytes, quant: str = "none") -> str:
+    """Store key of one stored form of a chunk (the raw form is ``chunk_key``).
+    A quantized video form has its own key: an exact reader never finds it."""
     if form == "raw":
         return chunk_key(identity, key)
-    return f"kvreel/{identity}/{form.replace('@', '')}/{key.hex()}"
+    suffix = f"-{quant}" if form.startswith("video") and quant != "none" else ""
+    return f"kvreel/{identity}/{form.replace('@', '')}{suffix}/{key.hex()}"
 
 
 def manifest_key(identity: str, key: bytes) -> str:
@@ -166,7 +168,7 @@ class RemoteTier:
                     return
                 key, hashes, payload = item
                 forms = self.encode_forms(hashes, payload)
-                self.store.put_many({form_key(self.identity, f, key): v for f, v in forms.items()})
+                self.store.put_many({form_key(self.identity, f, key, self.quant): v for f, v in forms.items()})
                 manifest = {"forms": {f: len(v) for f, v in forms.items()}, "quant": self.quant,
                             "payload": list(payload.shape)}
                 self.store.put(manifest_key(self.identity, key), json.dumps(manifest).encode())
@@ -199,7 +201,7 @@ class RemoteTier:
 
     def get_form(self, key: bytes, form: str) -> bytes:
         try:
-            data = self.store.get(form_key(self.identity, form, key))
+            data = self.store.get(form_key(self.identity, form, key, self.quant))
         except RemoteError as e:
             raise ChunkUnavailable(f"remote store: {e}") from None
         if data is None:
@@ -217,8 +219,11 @@ class RemoteTier:
         if form in ("raw", "zstd"):
             return read_chunk(io.BytesIO(data), self.identity)[1]
         try:
-            if read_header(data).model != self.identity:
+            header = read_header(data)
+            if header.model != self.identity:
                 raise ChunkFileError("video form belongs to another model/layout")
+            if header.quant != self.quant:
+                raise ChunkFileError(f"video form is quantized {header.quant!r}, this engine wants {self.quant!r}")
             kv = decode_chunk(data, device=self.decode_device)
         except ChunkError as e:
             raise ChunkFileError(f"{form} form: {e}") from None
@@ -238,7 +243,7 @@ class RemoteTier:
 
     def drop_form(self, key: bytes, form: str) -> None:
         """Remove a damaged form so that lookups/fetches stop offering it."""
-        delete_quietly(self.store, form_key(self.identity, form, key))
+        delete_quietly(self.store, form_key(self.identity, form, key, self.quant))
 
     def take_upload_failures(self) -> int:
         """Uploads failed or dropped since the last call (for the metrics)."""

@@ -182,3 +182,23 @@ def test_int8_video_form_stays_within_the_quantizer_bound(tmp_path):
     assert ((out - want).abs() <= step / 2 + want.abs() * 2**-7 + 1e-6).all()
     assert not out.equal(want)
     tier.close()
+
+
+def test_an_exact_reader_never_gets_a_quantized_video_form(tmp_path):
+    lossy = RemoteTier(f"file://{tmp_path}", "model-x", 2.0, 4, forms=("raw", "video"), quant="int8",
+                       resolutions=(256,), kv_view=KVView(SHAPE[2], SPEC))
+    keys, data = upload(lossy, 1)
+    lossy.close()
+    exact = make_tier(tmp_path, forms=("raw", "video"))
+    ctrl = FetchController(exact, DecodeProfile("t", None), streams=1, fixed_form="video@256")
+    out = []
+    ctrl.fetch("r", keys, out.append)
+    assert out[0].form == "raw" and torch.equal(out[0].payload, data[0])    # not the int8 video
+    # even a quantized container planted under the exact key is refused
+    planted = tmp_path / form_key("model-x", "video@256", keys[0])
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes((tmp_path / form_key("model-x", "video@256", keys[0], "int8")).read_bytes())
+    with pytest.raises(Exception, match="quantized 'int8'"):
+        exact.fetch(keys[0], "video@256")
+    ctrl.close()
+    exact.close()
