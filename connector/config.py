@@ -132,7 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
             "auto: per chunk, the stored form with the least transfer/decode time at the measured bandwidth "
             "and decoder load (KVFetcher Alg. 1 plus format choice); otherwise always this form."),
     Setting("FETCH_POLICY", str, "fair", "fair or fcfs",
-            "How concurrent remote fetches share the link: fair (round-robin by request) or fcfs.",
+            "How concurrent remote fetches share the link: fair (the request with the fewest chunks in flight "
+            "goes next; a lone fetch gets every stream) or fcfs (oldest request first).",
             lambda v: v in ("fair", "fcfs")),
     Setting("FETCH_MODE", str, "async", "async or blocking",
             "async: a request whose prefix is on disk or remote waits in WAITING_FOR_REMOTE_KVS while others "
