@@ -24,6 +24,31 @@ def python_source_corpus(min_chars: int) -> str:
     return "\n".join(parts)
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(tmp: str, port: int | None = None):
+    """Debian's redis-server on loopback, no persistence; (process, port) once it accepts connections."""
+    import shutil
+    import socket
+    import subprocess
+    port = port or free_port()
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
 def machine() -> dict:
     import os
     import torch

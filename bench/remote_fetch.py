@@ -23,10 +23,7 @@ import asyncio
 import gc
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,28 +32,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, plot_lines, python_source_corpus, save  # noqa: E402
+from common import RESULTS, plot_lines, python_source_corpus, save, start_redis  # noqa: E402
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
 REUSE_MODES = ("raw", "zstd", "video@512", "auto")
 TRACE_MODES = ("video@256", "video@512", "raw", "auto")
 TRACE = ((0.5, 6.0), (0.5, 3.0), (0.5, 4.0))     # (seconds, units), replayed in a loop
-
-
-def start_redis(tmp: str) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def close(llm) -> None:

@@ -21,8 +21,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +31,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvreel.connector.cli import stop_server
+
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, python_source_corpus, save  # noqa: E402
+from common import RESULTS, free_port, python_source_corpus, save, start_redis  # noqa: E402
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, env: dict, kvreel: bool, log: Path) -> tuple[subprocess.Popen, str]:
@@ -67,16 +61,6 @@ def start_server(model: str, env: dict, kvreel: bool, log: Path) -> tuple[subpro
             if time.time() > deadline:
                 raise RuntimeError("server did not become healthy")
             time.sleep(1)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120) -> tuple[str, float, float]:
@@ -113,18 +97,6 @@ def tree_rss_mib(pid: int) -> float:
         except OSError:
             continue
     return total / 1024
-
-
-def start_redis(port: int, tmp: str) -> subprocess.Popen:
-    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc
 
 
 def corrupt(disk_dir: Path, redis_port: int, rng: random.Random) -> int:
@@ -183,7 +155,7 @@ def main():
     # reference: plain vLLM, each prompt alone
     server, base = start_server(a.model, env, False, work / "reference.log")
     reference = [complete(base, p, a.max_tokens)[0] for p in tqdm(prompts, desc="reference answers")]
-    stop(server)
+    stop_server(server)
 
     disk = work / "disk"
     disk.mkdir()
@@ -191,7 +163,7 @@ def main():
                                                  capture_output=True).returncode == 0
     redis_port = free_port()
     redis_dir = tempfile.mkdtemp(prefix="kvreel-soak-redis-")
-    redis = start_redis(redis_port, redis_dir)
+    redis, _ = start_redis(redis_dir, redis_port)
     kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
             "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1"}
     server, base = start_server(a.model, kenv, True, work / "kvreel.log")
@@ -231,7 +203,7 @@ def main():
                 redis.kill()
                 redis.wait()
             elif what.startswith("redis restarted"):
-                redis = start_redis(redis_port, redis_dir)
+                redis, _ = start_redis(redis_dir, redis_port)
             elif what == "disk filled":
                 with open(filler, "wb") as f:
                     try:
@@ -262,7 +234,7 @@ def main():
     metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     kvreel_metrics = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in metrics.splitlines()
                       if line.startswith("vllm:kvreel_") and "_created" not in line}
-    stop(server)
+    stop_server(server)
     redis.kill()
     if tmpfs:
         subprocess.run(["umount", str(disk)])

@@ -52,6 +52,17 @@ def _demo_prompt(tokens_wanted: int) -> str:
     return text[: tokens_wanted * 3]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session (and its engine processes): TERM, then KILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def cmd_demo(args) -> int:
     from kvreel.connector.tiny_model import build_tiny_llama
     model = build_tiny_llama(args.model_dir, num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2)
@@ -110,12 +121,7 @@ def cmd_demo(args) -> int:
         return 0 if reused else 1
     finally:
         scratch.cleanup()
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
 
 
 def cmd_settings(args) -> int:
