@@ -40,11 +40,13 @@ CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_
                         "kv_role": "kv_both"})
 
 
-def start_server(model: str, env: dict, kvreel: bool, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int = 0) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
            "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8"]
+    if kv_blocks:       # a small paged cache: vLLM evicts prefixes, so reuse has to come from kvreel
+        cmd += ["--num-gpu-blocks-override", str(kv_blocks)]
     if kvreel:
         cmd += ["--kv-transfer-config", CONNECTOR]
     proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}, stdout=log.open("w"),
@@ -135,6 +137,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--reset-every", type=float, default=20)
     ap.add_argument("--host-bytes", default="8MiB", help="kvreel host tier: small, so disk and Redis serve too")
+    ap.add_argument("--kv-blocks", type=int, default=400,
+                    help="vLLM's paged cache in blocks during the soak (reset_prefix_cache fails under load, "
+                         "so eviction is what sends reuse through kvreel)")
+    ap.add_argument("--no-faults", action="store_true", help="load only")
+    ap.add_argument("--control", action="store_true",
+                    help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
     a = ap.parse_args()
     from transformers import AutoTokenizer
     rng = random.Random(0)
@@ -166,9 +174,11 @@ def main():
     redis, _ = start_redis(redis_dir, redis_port)
     kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
             "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1"}
-    server, base = start_server(a.model, kenv, True, work / "kvreel.log")
+    if a.control:
+        kenv = env
+    server, base = start_server(a.model, kenv, not a.control, work / "kvreel.log", a.kv_blocks)
     duration = a.minutes * 60
-    faults = [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
+    faults = [] if a.control or a.no_faults else [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
               (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted")]
     events, samples, results = [], [], []
     lock = threading.Lock()
@@ -182,7 +192,8 @@ def main():
             t = time.monotonic() - t_start
             try:
                 text, ttft, total = complete(base, prompts[i], a.max_tokens)
-                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "wrong": text != reference[i]}
+                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "wrong": text != reference[i],
+                       "text": text}
             except Exception as e:  # noqa: BLE001 — an error is a result here
                 rec = {"t": t, "prompt": i, "ok": False, "error": str(e)[:200]}
             with lock:
@@ -254,19 +265,28 @@ def main():
     out = {"model": a.model, "minutes": a.minutes, "clients": a.clients, "prompts": a.prompts,
            "disk_tier_on_tmpfs": tmpfs, "requests": len(results), "served": len(ok),
            "errors": len(results) - len(ok), "wrong_answers": sum(r["wrong"] for r in ok),
+           "wrong_by_prompt": {i: n for i in range(len(prompts))
+                               if (n := sum(1 for r in ok if r["prompt"] == i and r["wrong"]))},
            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
            "rss_mib": {"first": samples[0]["rss_mib"], "last": samples[-1]["rss_mib"],
                        "max": max(s["rss_mib"] for s in samples)},
            "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
-           "error_examples": [r["error"] for r in results if not r["ok"]][:5], "memory": samples}
-    path = save("soak", out)
-    _plot(results, samples, events)
+           "error_examples": [r["error"] for r in results if not r["ok"]][:5],
+           "wrong_examples": [{"t": r["t"], "prompt": r["prompt"], "got": r["text"], "want": reference[r["prompt"]]}
+                              for r in ok if r["wrong"]][:20],
+           "memory": samples}
+    out["control"] = a.control
+    path = save("soak_control" if a.control else "soak", out)
+    _plot(results, samples, events, "soak_control" if a.control else "soak")
     print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics")}, indent=1))
     print("wrote", path)
+    keep = Path(__file__).parent / "data"
+    keep.mkdir(exist_ok=True)
+    shutil.copy(work / "kvreel.log", keep / ("soak_control.log" if a.control else "soak_server.log"))
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _plot(results, samples, events):
+def _plot(results, samples, events, name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -286,7 +306,7 @@ def _plot(results, samples, events):
             axis.axvline(e["t"], color="grey", lw=0.7, ls="--")
         ax[0].text(e["t"], ax[0].get_ylim()[1], e["event"], rotation=90, fontsize=6, va="top")
     fig.tight_layout()
-    fig.savefig(RESULTS / "soak.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)
 
 

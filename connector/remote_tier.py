@@ -54,17 +54,24 @@ class RemoteLookups:
         self.identity = identity
         self.store = open_store(url, timeout_s=timeout_s)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvreel-remote-lookup")
-        self._pending: dict[str, Future] = {}
+        self._pending: dict[str, tuple[tuple[bytes, ...], Future]] = {}
         self._log = _Throttled()
         self.errors = 0
 
     def poll(self, req_id: str, hashes: list[bytes]) -> list[tuple[bytes, int]] | None:
         """Pointers (chunk key, row) of the longest run of ``hashes`` held remotely,
-        or None while the lookup is in flight. A failed lookup is an empty run."""
-        fut = self._pending.get(req_id)
-        if fut is None:
-            self._pending[req_id] = self._pool.submit(self._lookup, list(hashes))
+        or None while the lookup is in flight. A failed lookup is an empty run.
+
+        The answer always belongs to exactly these ``hashes``: when the request
+        asks about other blocks than the lookup in flight (its local hit grew,
+        it was preempted and resumed), the stale lookup is dropped and a new one
+        starts, so pointers can never be applied to the wrong blocks."""
+        wanted = tuple(hashes)
+        pending = self._pending.get(req_id)
+        if pending is None or pending[0] != wanted:
+            self._pending[req_id] = (wanted, self._pool.submit(self._lookup, list(wanted)))
             return None
+        fut = pending[1]
         if not fut.done():
             return None
         del self._pending[req_id]

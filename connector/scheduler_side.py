@@ -162,10 +162,12 @@ class KVReelScheduler:
         start = num_computed_tokens // self.block_size
         n = max(n, start)               # blocks below `start` are in vLLM's own cache already
         local_end = n
+        self._remote_plans.pop(request.request_id, None)
         if self.remote is not None and n < limit:
             found = self.remote.poll(request.request_id, hashes[n:limit])
             if found is None:
                 return None, False      # lookup in flight: vLLM asks again next step
+            found = found[: limit - n]
             n += len(found)
             self._remote_plans[request.request_id] = found
         if not st.counted_lookup and limit > n:

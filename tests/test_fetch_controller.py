@@ -202,3 +202,28 @@ def test_an_exact_reader_never_gets_a_quantized_video_form(tmp_path):
         exact.fetch(keys[0], "video@256")
     ctrl.close()
     exact.close()
+
+
+def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
+    """A request asks again about other blocks while its lookup is in flight (its
+    local hit grew, it was preempted): the answer must be for the blocks asked."""
+    import time
+    from kvreel.connector.remote_tier import RemoteLookups
+    tier = make_tier(tmp_path / "store")
+    key = b"\x05" * 32
+    hashes = [bytes([9, j]) * 16 for j in range(SHAPE[1])]
+    tier.submit_upload(key, hashes, synthetic_payload(SHAPE))
+    tier._queue.join()
+    lookups = RemoteLookups(f"file://{tmp_path / 'store'}", "model-x", 2.0)
+
+    def answer(asked):
+        deadline = time.monotonic() + 10
+        while (got := lookups.poll("r", asked)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        return got
+    assert lookups.poll("r", hashes) is None                 # in flight for blocks 0..1
+    assert answer(hashes[1:]) == [(key, 1)]                  # asked about block 1 only: row 1, not row 0
+    assert answer(hashes) == [(key, 0), (key, 1)]
+    lookups.close()
+    tier.close()
