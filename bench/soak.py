@@ -65,24 +65,48 @@ def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int 
             time.sleep(1)
 
 
-def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120) -> tuple[str, float, float]:
-    """(text, ttft seconds, total seconds) of one streamed greedy completion."""
+def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120):
+    """(text, ttft seconds, total seconds, per-token [(token, {top-2 token: logprob})]) of
+    one streamed greedy completion."""
     body = json.dumps({"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True}).encode()
+                       "stream": True, "ignore_eos": True, "logprobs": 2}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, text = None, []
+    ttft, text, steps = None, [], []
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            piece = chunk["choices"][0].get("text", "")
+            choice = json.loads(line[6:])["choices"][0]
+            piece = choice.get("text", "")
             if piece and ttft is None:
                 ttft = time.perf_counter() - t0
             text.append(piece)
-    return "".join(text), ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0
+            lp = choice.get("logprobs") or {}
+            for tok, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or []):
+                steps.append((tok, top or {}))
+    return ("".join(text), ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0,
+            steps)
+
+
+def soak_prompt(corpus: list[int], i: int, prefixes: int = 6, prefix_tokens: int = 1536) -> list[int]:
+    """Prompt ``i`` of the pool: one of ``prefixes`` long shared prefixes plus a
+    64-token suffix of its own; every fourth prompt shares nothing."""
+    tail = corpus[prefixes * prefix_tokens:]
+    if i % 4 == 3:
+        return tail[200_000 + i * 700:200_000 + i * 700 + 700]
+    return corpus[(i % prefixes) * prefix_tokens:(i % prefixes + 1) * prefix_tokens] + tail[i * 97:i * 97 + 64]
+
+
+def near_tie(got, want, tolerance: float = 0.1) -> bool:
+    """Whether two greedy answers first part where the reference's two best tokens
+    were within ``tolerance`` nats and the answer took the other one (bf16 noise
+    when the cached/computed split differs), rather than a confident token."""
+    for (g, _), (w, top) in zip(got, want):
+        if g != w:
+            return g in top and w in top and abs(top[w] - top[g]) <= tolerance
+    return False
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -148,21 +172,15 @@ def main():
     rng = random.Random(0)
     tok = AutoTokenizer.from_pretrained(a.model)
     corpus = tok(python_source_corpus(2_000_000))["input_ids"]
-    prefixes = [corpus[i * a.prefix_tokens:(i + 1) * a.prefix_tokens] for i in range(a.prefixes)]
-    tail = corpus[a.prefixes * a.prefix_tokens:]
-    prompts = []
-    for i in range(a.prompts):
-        suffix = tail[i * 97:(i * 97) + 64]
-        if i % 4 == 3:                     # a quarter share nothing
-            prompts.append(tail[200_000 + i * 700:200_000 + i * 700 + 700])
-        else:
-            prompts.append(prefixes[i % a.prefixes] + suffix)
+    prompts = [soak_prompt(corpus, i, a.prefixes, a.prefix_tokens) for i in range(a.prompts)]
 
     work = Path(tempfile.mkdtemp(prefix="kvreel-soak-"))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     # reference: plain vLLM, each prompt alone
     server, base = start_server(a.model, env, False, work / "reference.log")
-    reference = [complete(base, p, a.max_tokens)[0] for p in tqdm(prompts, desc="reference answers")]
+    reference_runs = [complete(base, p, a.max_tokens) for p in tqdm(prompts, desc="reference answers")]
+    reference = [r[0] for r in reference_runs]
+    reference_steps = [r[3] for r in reference_runs]
     stop_server(server)
 
     disk = work / "disk"
@@ -191,9 +209,11 @@ def main():
             i = r.randrange(len(prompts))
             t = time.monotonic() - t_start
             try:
-                text, ttft, total = complete(base, prompts[i], a.max_tokens)
-                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "wrong": text != reference[i],
-                       "text": text}
+                text, ttft, total, steps = complete(base, prompts[i], a.max_tokens)
+                differs = text != reference[i]
+                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True,
+                       "wrong": differs and not near_tie(steps, reference_steps[i]),
+                       "near_tie": differs and near_tie(steps, reference_steps[i]), "text": text}
             except Exception as e:  # noqa: BLE001 — an error is a result here
                 rec = {"t": t, "prompt": i, "ok": False, "error": str(e)[:200]}
             with lock:
@@ -265,6 +285,7 @@ def main():
     out = {"model": a.model, "minutes": a.minutes, "clients": a.clients, "prompts": a.prompts,
            "disk_tier_on_tmpfs": tmpfs, "requests": len(results), "served": len(ok),
            "errors": len(results) - len(ok), "wrong_answers": sum(r["wrong"] for r in ok),
+           "near_tie_differences": sum(r["near_tie"] for r in ok),
            "wrong_by_prompt": {i: n for i in range(len(prompts))
                                if (n := sum(1 for r in ok if r["prompt"] == i and r["wrong"]))},
            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
