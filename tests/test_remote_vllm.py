@@ -51,12 +51,13 @@ def test_dead_store_falls_back_to_recompute(tiny_model, redis_server):
 
 
 def test_damaged_remote_chunk_is_recomputed(tiny_model, redis_server):
+    """Only the raw form is stored, so the damaged chunk has no intact form to fall back to."""
     _, port = redis_server
     corrupt = ("shell:" + sys.executable + " -c \"import redis; r=redis.Redis(port=" + str(port) +
                ", password='s3cret')\nfor k in r.scan_iter('kvreel/*/c/*'):\n"
                "    n=r.strlen(k); r.setrange(k, n-100, bytes([r.getrange(k,n-100,n-100)[0]^255]))\"")
     cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
-    reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
+    reel = run_scenario({"model": tiny_model, "kvreel": {**_cfg(port), "remote_forms": "raw"}, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]},
         {"before": corrupt, "prompts": [P]}]})
     after = reel["phases"][2][0]
