@@ -167,7 +167,6 @@ class KVReelScheduler:
             found = self.remote.poll(request.request_id, hashes[n:limit])
             if found is None:
                 return None, False      # lookup in flight: vLLM asks again next step
-            found = found[: limit - n]
             n += len(found)
             self._remote_plans[request.request_id] = found
         if not st.counted_lookup and limit > n:
