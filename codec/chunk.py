@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -119,13 +119,18 @@ def read_header(data: bytes | memoryview) -> ChunkHeader:
 
 
 def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out: torch.Tensor | None = None,
-                 device: str | torch.device = "cpu", decoder: str = "auto") -> torch.Tensor:
+                 device: str | torch.device = "cpu", decoder: str = "auto",
+                 on_layers: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Container bytes -> KV ``[layers, 2, tokens, kv_heads, head_dim]`` (into ``out`` when given).
 
     Frames are restored into the destination one at a time (no chunk-sized
     intermediate). The bitstream's CRC is checked before the first write, so a
-    damaged chunk raises ChunkError and leaves ``out`` untouched; ``decoder``
-    is "auto" (NVDEC when decoding to a GPU with PyNvVideoCodec), "nvdec" or "cpu"."""
+    damaged chunk raises ChunkError and leaves ``out`` untouched. The frames of
+    each layer triplet are checked as soon as its K and V are complete, and
+    ``on_layers(first, out[first:stop])`` is then called, so a caller can move those
+    layers on while later frames are still decoding; a damaged frame raises
+    ChunkError before its layers are handed on. ``decoder`` is "auto" (NVDEC
+    when decoding to a GPU with PyNvVideoCodec), "nvdec" or "cpu"."""
     header, base = unpack_header(data)
     L, T, H, D = header.shape
     dtype = DTYPES.get(header.dtype)
@@ -145,7 +150,8 @@ def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out
     tiling = lay.Tiling(**header.tiling) if header.tiling else None
     geo = lay.FrameGeometry(**stream.geometry)
     B = byte_planes(dtype, header.quant)
-    expected = -(-L // 3) * 2 * B * geo.frames
+    per_triplet = 2 * B * geo.frames
+    expected = -(-L // 3) * per_triplet
     if len(stream.frame_sums) != expected:
         raise ChunkError(f"chunk lists {len(stream.frame_sums)} frames, its geometry needs {expected}")
     if out is None:
@@ -153,7 +159,7 @@ def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out
     use_nvdec = decoder == "nvdec" or (decoder == "auto" and out.device.type == "cuda" and _nvdec_available())
     frames = _decode_iter(bytes(bitstream), use_nvdec, out.device)
     order = [(g, kv, b, f) for g, kv, b in _streams(L, B) for f in range(geo.frames)]
-    n = 0
+    n = -1
     checks: list[torch.Tensor] = []
     for n, frame in enumerate(frames):
         if n >= len(order):
@@ -169,13 +175,21 @@ def decode_chunk(data: bytes | memoryview, *, resolution: int | None = None, out
                 continue
             tokens, values = lay.frame_tokens(planes[c], f, geo, tiling, T, H, D)
             restore_tokens(out, layer, kv, b, tokens.to(out.device), values, header.quant, params)
+        if (n + 1) % per_triplet == 0:
+            _verify(checks, stream.frame_sums, n + 1 - per_triplet)      # one device sync per triplet
+            checks = []
+            if on_layers is not None:
+                on_layers(3 * g, out[3 * g:3 * g + 3])
     if n + 1 != len(order):
         raise ChunkError(f"bitstream ended after {n + 1} of {len(order)} frames")
-    got = torch.stack(checks).cpu().tolist()          # one device sync per chunk
-    bad = [i for i, (a, b) in enumerate(zip(got, stream.frame_sums)) if a != b]
+    return out
+
+
+def _verify(checks: list[torch.Tensor], sums: list[int], first: int) -> None:
+    got = torch.stack(checks).cpu().tolist()
+    bad = [first + i for i, (a, b) in enumerate(zip(got, sums[first:])) if a != b]
     if bad:
         raise ChunkError(f"{len(bad)} decoded frame(s) failed their checksum (first: frame {bad[0]})")
-    return out
 
 
 def _pick(header: ChunkHeader, resolution: int | None) -> Stream:

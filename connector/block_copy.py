@@ -81,20 +81,23 @@ class PagedRegions:
             stream.synchronize()
         return out
 
-    def scatter(self, host: torch.Tensor, block_ids: list[int], rows: slice | None = None) -> None:
-        """Write host rows [regions, n, block_bytes] (or host[:, rows]) into the given blocks."""
+    def scatter(self, host: torch.Tensor, block_ids: list[int], rows: slice | None = None,
+                first_region: int = 0) -> None:
+        """Write host rows [regions, n, block_bytes] (or host[:, rows]) into the given
+        blocks; with ``first_region`` the host tensor holds only regions from there on."""
         src = (host if rows is None else host[:, rows]).view(torch.int8)
+        regions = self.regions[first_region:first_region + src.shape[0]]
         runs = list(_runs(block_ids))
         stream = self._stream
         with _on(stream):
             if self.is_cuda and len(runs) > MAX_DMA_RUNS:
                 idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
                 dev = src.to(self.device, non_blocking=True)
-                for r, region in enumerate(self.regions):
+                for r, region in enumerate(regions):
                     region.index_copy_(0, idx, dev[r])
             else:
                 for first, start, n in runs:
-                    for r, region in enumerate(self.regions):
+                    for r, region in enumerate(regions):
                         region[start:start + n].copy_(src[r, first:first + n], non_blocking=self.is_cuda)
         if stream is not None:
             stream.synchronize()

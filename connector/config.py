@@ -78,6 +78,15 @@ def _remote_url(text: str) -> str | None:
     return text
 
 
+def _hex_secret(text: str) -> str | None:
+    if not text:
+        return None
+    if len(text) < 32:
+        raise ValueError(text)
+    bytes.fromhex(text)
+    return text
+
+
 REMOTE_FORMS = ("raw", "zstd", "video")
 
 
@@ -141,6 +150,23 @@ SETTINGS: tuple[Setting, ...] = (
             lambda v: v in ("async", "blocking")),
     _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once; as many decoders (NVDEC sessions or "
                  "CPU decode threads) decode behind them.", 1, 64),
+    Setting("RETRIEVAL", str, "off", "off, resv or mosaic",
+            "Retrieval attention for long sequences: off (vLLM's attention, untouched), resv (hash-bit key "
+            "clusters, V-Rex) or mosaic (visual -> semantic clusters). Registered by kvreel's vLLM plugin.",
+            lambda v: v in ("off", "resv", "mosaic")),
+    Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
+            "WiCSum ratio: clusters are kept until this share of the predicted attention mass; 1 keeps everything "
+            "(outputs identical to vLLM's).", lambda v: 0 < v <= 1),
+    _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Sequences shorter than this use full attention.", 0, 1 << 30),
+    _int_setting("RETRIEVAL_WINDOW", 256, "Local window: the newest tokens (beyond the step's own) always "
+                 "attended to, as are the first block's attention sinks.", 0, 1 << 30),
+    Setting("RETRIEVAL_DEADLINE_MS", float, 50.0, "a number of milliseconds in (0, 10000]",
+            "How long attention waits for the DRE's selection; later (or with the DRE down) that step uses "
+            "full attention.", lambda v: 0 < v <= 10000),
+    Setting("DRE_ADDRESS", _path_or_none, None, "a Unix-socket path or host:port (unset: the worker starts its own "
+            "DRE on a private Unix socket)", "Where the DRE service listens (`kvreel dre --address ...`)."),
+    Setting("DRE_SECRET_HEX", _hex_secret, None, "an even number of hex digits, at least 32",
+            "Shared secret between kvreel and the DRE service (HMAC challenge); unset: no authentication."),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -162,6 +188,13 @@ class KVReelConfig:
     fetch_policy: str
     fetch_mode: str
     fetch_streams: int
+    retrieval: str
+    retrieval_alpha: float
+    retrieval_min_tokens: int
+    retrieval_window: int
+    retrieval_deadline_ms: float
+    dre_address: str | None
+    dre_secret_hex: str | None
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None,

@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import zstandard
@@ -215,23 +216,33 @@ class RemoteTier:
             raise ChunkUnavailable(f"the {form} form is missing from the remote store")
         return data
 
-    def decode_form(self, form: str, data: bytes, payload_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def decode_form(self, form: str, data: bytes, payload_shape: tuple[int, ...] | None = None,
+                    on_regions: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """The verified payload [regions, blocks, block_bytes] from one stored form
-        (on ``decode_device`` for the video form, on the CPU otherwise)."""
+        (on ``decode_device`` for the video form, on the CPU otherwise).
+
+        ``on_regions(first, rows)`` receives verified payload rows as soon
+        as they are decoded: the video form hands on each layer triplet while
+        later frames are still decoding, the byte forms the whole chunk at once."""
         if form == "zstd":
             try:
                 data = zstandard.ZstdDecompressor().decompress(data, max_output_size=self.store.max_value_bytes)
             except zstandard.ZstdError as e:
                 raise ChunkFileError(f"zstd form: {e}") from None
         if form in ("raw", "zstd"):
-            return read_chunk(io.BytesIO(data), self.identity)[1]
+            payload = read_chunk(io.BytesIO(data), self.identity)[1]
+            if on_regions is not None:
+                on_regions(0, payload)
+            return payload
         try:
             header = read_header(data)
             if header.model != self.identity:
                 raise ChunkFileError("video form belongs to another model/layout")
             if header.quant != self.quant:
                 raise ChunkFileError(f"video form is quantized {header.quant!r}, this engine wants {self.quant!r}")
-            kv = decode_chunk(data, device=self.decode_device)
+            hand_on = None if on_regions is None else (
+                lambda first, layers: on_regions(first, self.kv_view.to_payload(layers)))
+            kv = decode_chunk(data, device=self.decode_device, on_layers=hand_on)
         except ChunkError as e:
             raise ChunkFileError(f"{form} form: {e}") from None
         payload = self.kv_view.to_payload(kv)

@@ -30,6 +30,14 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                            ("form",)),
     "remote_upload_failures": ("vllm:kvreel_remote_upload_failures_total",
                                "Chunks the remote uploader failed to store or dropped (queue full)", ()),
+    "retrieval_steps": ("vllm:kvreel_retrieval_steps_total",
+                        "Attention calls of long sequences, by outcome: selected, or full attention because "
+                        "the DRE was late or down", ("outcome",)),
+    "retrieval_history_blocks": ("vllm:kvreel_retrieval_history_blocks_total",
+                                 "History blocks (between sinks and window) seen by retrieval attention", ()),
+    "retrieval_kept_blocks": ("vllm:kvreel_retrieval_kept_blocks_total",
+                              "History blocks retrieval attention selected and attended to", ()),
+    "dre_restarts": ("vllm:kvreel_dre_restarts_total", "Times the DRE service was found dead and restarted", ()),
 }
 
 

@@ -17,6 +17,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, DiskTier
 from kvreel.connector.metadata import HOST, REMOTE, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
 from kvreel.connector.stats import KVReelStats
+from kvreel.connector.retrieval.retriever import take_retrieval_stats
 
 logger = logging.getLogger("kvreel.worker")
 
@@ -122,6 +123,11 @@ class KVReelWorker:
             return
         t0 = time.perf_counter()
 
+        def on_part(index: int, first: int, rows: torch.Tensor) -> None:
+            piece = pieces[index]
+            self._check_fits(rows, piece, first, whole=False)
+            self.pages.scatter(rows, piece.block_ids, self._rows(piece), first_region=first)
+
         def on_chunk(r):
             piece = pieces[r.index]
             with self._lock:
@@ -130,17 +136,30 @@ class KVReelWorker:
             try:
                 if r.error is not None:
                     raise r.error if isinstance(r.error, ChunkFileError) else ChunkUnavailable(str(r.error))
-                self._restore(piece, r.payload, t0)
+                self._check_fits(r.payload, piece)      # every region arrived through on_part
+                self._restored(piece, r.payload, t0)
             except ChunkFileError as e:
                 self._failed(piece, e)
-        self.fetcher.fetch(req_id, [p.key for p in pieces], on_chunk)
+        self.fetcher.fetch(req_id, [p.key for p in pieces], on_chunk, on_part)
+
+    @staticmethod
+    def _rows(piece: LoadPiece) -> slice:
+        return slice(piece.first, piece.first + len(piece.block_ids))
+
+    def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
+        """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
+        regions = len(self.pages.regions)
+        if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < self._rows(piece).stop \
+                or (first_region + data.shape[0] != regions if whole else first_region + data.shape[0] > regions):
+            raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
 
     def _restore(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
-        rows = slice(piece.first, piece.first + len(piece.block_ids))
-        if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or \
-                data.shape[2] != self.pages.block_bytes or data.shape[1] < rows.stop:
-            raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
-        self.pages.scatter(data, piece.block_ids, rows)
+        self._check_fits(data, piece)
+        self.pages.scatter(data, piece.block_ids, self._rows(piece))
+        self._restored(piece, data, t0)
+
+    def _restored(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
+        """Book a chunk whose blocks now hold its KV (and keep it in the host tier if planned)."""
         if piece.promote_to_host:
             self.host[piece.key] = data.cpu()
         with self._lock:
@@ -211,6 +230,9 @@ class KVReelWorker:
                 failures = self.remote.take_upload_failures()
                 if failures:
                     self.stats.add("remote_upload_failures", failures)
+            retrieval = take_retrieval_stats()
+            if retrieval is not None:
+                self.stats.aggregate(retrieval)
             return self.stats.take()
 
     def shutdown(self) -> None:

@@ -10,8 +10,10 @@ it is fetched (``choose``: bandwidth measured on the previous transfers, decode
 time from the machine's profile scaled by the decoders' current load, a penalty
 for switching resolution). The stream then hands the bytes to the decoder pool
 and moves on to the next transfer (transfer and decoding overlap, at most two
-chunks per decoder ahead); each chunk is decoded, verified and handed to
-``on_chunk`` (which restores it into the request's blocks) as soon as it is ready.
+chunks per decoder ahead). While a chunk decodes, each verified part (a layer
+triplet of the video form, the whole chunk of the byte forms) goes to
+``on_part``, which restores it into the request's blocks; ``on_chunk`` then
+reports the chunk done or failed.
 A damaged or missing form is dropped and the chunk is fetched raw instead; if
 the raw form fails too the chunk is reported failed (vLLM recomputes it).
 """
@@ -51,6 +53,7 @@ class _Request:
     req_id: str
     jobs: collections.deque
     on_chunk: Callable[[ChunkResult], None]
+    on_part: Callable[[int, int, torch.Tensor], None] | None
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
     previous_form: str | None = None
@@ -80,13 +83,16 @@ class FetchController:
             t.start()
 
     def fetch(self, req_id: str, keys: list[bytes], on_chunk: Callable[[ChunkResult], None],
+              on_part: Callable[[int, int, torch.Tensor], None] | None = None,
               timeout_s: float | None = None) -> bool:
-        """Fetch ``keys`` for one request, calling ``on_chunk`` per chunk as it
-        arrives; returns when all are done (True) or ``timeout_s`` passed (False)."""
+        """Fetch ``keys`` for one request: ``on_part(chunk index, first region, rows)``
+        per verified part as it is decoded, ``on_chunk`` once per chunk; returns
+        when all are done (True) or ``timeout_s`` passed (False)."""
         if not keys:
             return True
         manifests = self.tier.manifests(keys)
-        req = _Request(req_id, collections.deque(zip(range(len(keys)), keys, manifests)), on_chunk, len(keys))
+        req = _Request(req_id, collections.deque(zip(range(len(keys)), keys, manifests)), on_chunk, on_part,
+                       len(keys))
         with self._cond:
             self._requests[req_id] = req
             self._cond.notify_all()
@@ -126,7 +132,7 @@ class FetchController:
             if isinstance(fetched, ChunkResult):    # the transfer itself failed
                 self._finish(req, key, fetched)
             else:
-                self.decoders.run(self._decode, index, key, form, *fetched).add_done_callback(
+                self.decoders.run(self._decode, req, index, key, form, *fetched).add_done_callback(
                     lambda fut, req=req, key=key: self._finish(req, key, fut.result()))
 
     def _transfer(self, index: int, key: bytes, form: str):
@@ -140,10 +146,12 @@ class FetchController:
         self.bandwidth.observe(len(data), dt)
         return data, dt
 
-    def _decode(self, index: int, key: bytes, form: str, data: bytes, transmit_s: float) -> ChunkResult:
+    def _decode(self, req: _Request, index: int, key: bytes, form: str, data: bytes,
+                transmit_s: float) -> ChunkResult:
         t0 = time.perf_counter()
+        on_regions = None if req.on_part is None else (lambda first, rows: req.on_part(index, first, rows))
         try:
-            payload = self.tier.decode_form(form, data)
+            payload = self.tier.decode_form(form, data, on_regions=on_regions)
         except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
             self.tier.drop_form(key, form)
             return ChunkResult(index, None, e, form, len(data), transmit_s)
@@ -159,7 +167,7 @@ class FetchController:
                                result.form, key.hex()[:16], result.error)
                 fetched = self._transfer(result.index, key, "raw")
                 result = fetched if isinstance(fetched, ChunkResult) else \
-                    self._decode(result.index, key, "raw", *fetched)
+                    self._decode(req, result.index, key, "raw", *fetched)
             req.on_chunk(result)
         finally:
             self._ahead.release()

@@ -49,6 +49,7 @@ def run_scenario(args: dict, timeout: int = 600) -> dict:
         out = Path(d) / "out.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.update(args.get("env", {}))            # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
         proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), "scenario", json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvreel.codec import ChunkError, decode_chunk, encode_chunk, read_header
+from kvreel.codec.container import pack, unpack_header
 from kvreel.codec.layout import candidate_tilings
 from kvreel.codec.quant import quant_error
 
@@ -100,6 +101,24 @@ def test_damaged_chunk_raises_and_writes_nothing(where, message):
     with pytest.raises(ChunkError, match=message):
         decode_chunk(bytes(data), out=out)
     assert not out.any()
+
+
+def test_layers_are_handed_on_as_their_frames_verify():
+    kv = kv_of(SHAPES["gqa-d64"], torch.bfloat16)            # 4 layers: triplets 0-2 and 3
+    data = encode_chunk(kv, resolutions=(144,))
+    parts = []
+    out = decode_chunk(data, on_layers=lambda first, layers: parts.append((first, layers.clone())))
+    assert same_bits(out, kv)
+    assert [first for first, _ in parts] == [0, 3]
+    assert same_bits(parts[0][1], kv[0:3]) and same_bits(parts[1][1], kv[3:4])
+
+    # a frame of the second triplet decodes wrong: the first triplet was handed on, the second never is
+    header, base = unpack_header(data)
+    header.streams[0].frame_sums[-1] ^= 1
+    parts.clear()
+    with pytest.raises(ChunkError, match="1 decoded frame\\(s\\) failed their checksum"):
+        decode_chunk(pack(header, [data[base:]]), on_layers=lambda first, layers: parts.append(first))
+    assert parts == [0]
 
 
 def test_truncated_and_foreign_chunks():

@@ -147,3 +147,35 @@ def test_shared_memory_descriptors_are_checked():
         take_tensor({**bad, "shape": [1 << 20]})
     with pytest.raises(DREError, match="bad tensor descriptor"):
         take_tensor({**bad, "dtype": "object"})
+
+
+def test_pages_of_several_heads_are_kept_by_their_predicted_mass(dre):
+    _, client = dre
+    (k0, q0), (k1, q1) = data(seed=1), data(seed=2)
+    block, alpha = 32, 0.7
+    client.submit("cluster", handle="pages", keys=torch.stack([k0, k1])).result(10)
+    reply = client.submit("select", handle="pages", queries=torch.stack([q0, q1]), alpha=alpha,
+                          per_frame=True, block=block).result(10)
+    # in process: each token carries its cluster's frame mass / cluster size; pages sum it over heads
+    mass = torch.zeros(len(k0))
+    for k, q in ((k0, q0), (k1, q1)):
+        cl = cluster_keys(k, hyperplanes(k.shape[1], 12, seed=1), 1)
+        cmass = torch.softmax(frame_scores(cluster_scores(q, cl)), -1)[0]
+        mass += cmass[cl.labels] / cl.counts[cl.labels]
+    pages = torch.zeros(-(-len(k0) // block)).index_add_(0, torch.arange(len(k0)) // block, mass)
+    keep = wicsum(pages.log().unsqueeze(0), alpha)[0]
+    want = torch.tensor([t for t in range(len(k0)) if keep[t // block]])
+    assert torch.equal(reply["tokens"], want)
+    assert 0 < len(want) < len(k0)
+
+
+def test_mosaic_tables_answer_what_the_index_selects_in_process(dre):
+    from kvreel.connector.retrieval.dre_service import _mosaic
+    _, client = dre
+    keys, queries = data(T=256)
+    client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
+    reply = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True).result(30)
+    index = _mosaic(keys.float(), 32)
+    mask = index.select_frame(queries, 0.8)
+    assert torch.equal(reply["mask"], mask.unsqueeze(0))
+    assert torch.equal(reply["tokens"], torch.nonzero(index.token_mask(mask.unsqueeze(0), len(keys))[0]).flatten())

@@ -116,11 +116,15 @@ def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
     assert ctrl.choose_form(manifest, None) == fastest
     for form in names:
         ctrl.fixed_form = form
-        out = {}
-        ctrl.fetch("r", keys, lambda r: out.__setitem__(r.index, (r.form, r.payload, r.error)))
+        out, parts = {}, {}
+        ctrl.fetch("r", keys, lambda r: out.__setitem__(r.index, (r.form, r.payload, r.error)),
+                   on_part=lambda i, first, rows: parts.setdefault(i, []).append((first, rows.cpu().clone())))
         for i, want in enumerate(data):
             assert out[i][0] == form and out[i][2] is None
             assert torch.equal(out[i][1], want)
+            # the parts handed on while decoding tile the chunk's regions, in order, exactly
+            assert [first for first, _ in parts[i]] == list(range(0, SHAPE[0], 3 if form.startswith("video") else SHAPE[0]))
+            assert torch.equal(torch.cat([rows for _, rows in parts[i]]), want)
     ctrl.close()
     tier.close()
 

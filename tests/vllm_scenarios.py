@@ -68,9 +68,29 @@ def kvreel_metrics(llm) -> dict:
         if metric.name.startswith("vllm:kvreel_") or metric.name == "vllm:num_preemptions":
             for s in metric.samples:
                 if s.name.endswith("_total"):
-                    label = s.labels.get("tier") or s.labels.get("form", "")
+                    label = s.labels.get("tier") or s.labels.get("form") or s.labels.get("outcome", "")
                     out[f"{s.name}|{label}" if label else s.name] = s.value
     return out
+
+
+def kill_matching(program: str) -> None:
+    """SIGKILL every process with ``program`` as one whole argument of its command
+    line (``python -m program``; forked engine processes carry this script's
+    arguments, which only contain it)."""
+    import signal
+    from pathlib import Path
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if program.encode() in argv:
+            os.kill(int(proc.name), signal.SIGKILL)
+            killed += 1
+    assert killed, f"no process runs {program!r}"
 
 
 def scenario(args: dict) -> dict:
@@ -88,6 +108,8 @@ def scenario(args: dict) -> dict:
             close(llm)
             llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
                            max_num_seqs=args.get("max_num_seqs", 16))
+        elif action and action.startswith("kill:"):
+            kill_matching(action[len("kill:"):])
         elif action and action.startswith("shell:"):
             import subprocess
             subprocess.run(action[len("shell:"):], shell=True, check=True)

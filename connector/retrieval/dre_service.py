@@ -9,10 +9,14 @@ out. Nothing is pickled. With a shared secret, a connection must first prove it
 
 Requests (each answered once, in any order, matched by ``id``):
 
-* ``cluster``  keys [T, D] of one (session, layer, head) -> its HC table is kept
-  by the service under that handle; reply: cluster count.
-* ``select``   queries [R, D], handle, alpha, per_frame -> bool cluster mask
-  [R or 1, C] and the token ids of the union [N] (shared memory).
+* ``cluster``  keys [T, D] of one (session, layer, head), or [heads, T, D], and
+  ``method`` resv (HC table) or mosaic (centroid index) -> kept by the service
+  under that handle; reply: cluster count.
+* ``select``   queries [R, D] (or [heads, R, D]), handle, alpha, per_frame ->
+  the token ids of the union of the selected clusters over rows and heads [N]
+  and, for one head, the bool cluster mask [R or 1, C] (shared memory). With
+  ``block`` = page size: WiCSum over pages by their tokens' predicted mass
+  (what a paged cache can skip), the token ids of the kept pages.
 * ``drop``     forget a handle;  ``ping``  liveness.
 
 Requests that arrive together are served as one batch (the service drains its
@@ -27,6 +31,7 @@ import argparse
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import selectors
@@ -42,6 +47,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans
 from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, frame_scores, hyperplanes,
                                              wicsum)
 
@@ -141,23 +147,50 @@ class DREService:
             return {"ok": True}
         if op == "cluster":
             keys = take_tensor(msg["keys"]).float()
-            planes = self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
-            cl = cluster_keys(keys, planes, self.hamming)
-            # scoring and WiCSum run on the service's device (a GPU: torch kernels)
-            self.tables[str(msg["handle"])] = Clusters(cl.labels, cl.means.to(self.device),
-                                                       cl.counts.to(self.device), cl.codes)
-            return {"ok": True, "clusters": cl.num_clusters}
+            keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
+            method = str(msg.get("method", "resv"))
+            if keys.dim() != 3 or method not in ("resv", "mosaic"):
+                raise DREError(f"cluster wants keys [T, D] or [heads, T, D] and method resv|mosaic, "
+                               f"got {tuple(keys.shape)} and {method[:20]!r}")
+            segment = max(1, int(msg.get("segment", 32)))
+            tables = [self._resv(k) if method == "resv" else _mosaic(k, segment) for k in keys]
+            self.tables[str(msg["handle"])] = (tables, keys.shape[1])
+            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables)}
         if op == "select":
             queries = take_tensor(msg["queries"]).to(self.device, torch.float32)
-            cl = self.tables.get(str(msg.get("handle")))
-            if cl is None:
+            queries = queries.unsqueeze(0) if queries.dim() == 2 else queries
+            entry = self.tables.get(str(msg.get("handle")))
+            if entry is None:
                 raise DREError(f"unknown handle {str(msg.get('handle'))[:80]!r}")
-            scores = cluster_scores(queries, cl)
-            mask = wicsum(frame_scores(scores) if msg.get("per_frame") else scores,
-                          float(msg.get("alpha", 1.0))).cpu()
-            tokens = cl.tokens(torch.nonzero(mask.any(0)).flatten())
-            return {"ok": True, "mask": put_tensor(mask), "tokens": put_tensor(tokens)}
+            tables, n_tokens = entry
+            if queries.dim() != 3 or queries.shape[0] != len(tables):
+                raise DREError(f"select wants queries [{len(tables)} heads, R, D], got {tuple(queries.shape)}")
+            alpha, per_frame = float(msg.get("alpha", 1.0)), bool(msg.get("per_frame"))
+            if msg.get("block"):
+                return {"ok": True, "tokens": put_tensor(_select_blocks(tables, queries, n_tokens, alpha,
+                                                                        int(msg["block"])))}
+            masks, tokens = [], []
+            for q, table in zip(queries, tables):
+                if isinstance(table, Clusters):
+                    scores = cluster_scores(q, table)
+                    mask = wicsum(frame_scores(scores) if per_frame else scores, alpha).cpu()
+                    tokens.append(table.tokens(torch.nonzero(mask.any(0)).flatten()))
+                else:
+                    q = q.cpu()
+                    mask = table.select_frame(q, alpha).unsqueeze(0) if per_frame else table.select(q, alpha)
+                    tokens.append(torch.nonzero(table.token_mask(mask.any(0, keepdim=True), n_tokens)[0]).flatten())
+                masks.append(mask)
+            reply = {"ok": True, "tokens": put_tensor(torch.unique(torch.cat(tokens)))}
+            if len(masks) == 1:
+                reply["mask"] = put_tensor(masks[0])
+            return reply
         raise DREError(f"unknown op {str(op)[:40]!r}")
+
+    def _resv(self, keys: torch.Tensor) -> Clusters:
+        planes = self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
+        cl = cluster_keys(keys, planes, self.hamming)
+        # scoring and WiCSum run on the service's device (a GPU: torch kernels)
+        return Clusters(cl.labels, cl.means.to(self.device), cl.counts.to(self.device), cl.codes)
 
     def serve(self, address: str) -> None:
         """Serve until killed. ``address``: a filesystem path (Unix socket) or host:port."""
@@ -214,6 +247,47 @@ class DREService:
                     send_msg(conn, reply)
                 except OSError:
                     pass
+
+
+def _mosaic(keys: torch.Tensor, segment: int) -> MosaicIndex:
+    """Mosaic's index over one head's keys, with every ``segment`` tokens as a
+    "frame" (text segments standing in for video frames): frames grouped by
+    cosine k-means of their mean key, keys clustered inside each group."""
+    frame_of = torch.arange(keys.shape[0]) // segment
+    frames = int(frame_of[-1]) + 1 if len(frame_of) else 0
+    embeddings = torch.zeros(frames, keys.shape[1]).index_add_(0, frame_of, keys)
+    visual = cosine_kmeans(embeddings, max(1, round(math.sqrt(frames))))
+    return MosaicIndex.build(keys, frame_of, visual, per_visual=4)
+
+
+def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """[n_tokens]: the frame's predicted attention mass of each token (its
+    cluster's mass, shared evenly by the cluster's tokens)."""
+    if isinstance(table, Clusters):
+        mass = torch.softmax(frame_scores(cluster_scores(queries, table)), dim=-1)[0].cpu()
+        labels, counts = table.labels, table.counts.cpu()
+    else:
+        mass = torch.softmax(table.scores(queries.cpu()), dim=-1).mean(0)
+        labels = torch.zeros(n_tokens, dtype=torch.long)
+        for i, c in enumerate(table.clusters):
+            labels[torch.tensor(c.tokens, dtype=torch.long)] = i
+        counts = torch.tensor([c.count for c in table.clusters])
+    return mass[labels] / counts[labels].float()
+
+
+def _select_blocks(tables, queries: torch.Tensor, n_tokens: int, alpha: float, block: int) -> torch.Tensor:
+    """Token ids of the ``block``-token pages kept by WiCSum over the pages'
+    predicted mass (summed over heads): what a paged cache can attend to."""
+    mass = sum(_token_mass(t, q, n_tokens) for t, q in zip(tables, queries))
+    pages = -(-n_tokens // block)
+    page_mass = torch.zeros(pages * block).index_add_(0, torch.arange(n_tokens), mass).view(pages, block).sum(1)
+    keep = wicsum(page_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
+    tokens = (torch.nonzero(keep).flatten().unsqueeze(1) * block + torch.arange(block)).flatten()
+    return tokens[tokens < n_tokens]
+
+
+def _num_clusters(table) -> int:
+    return table.num_clusters if isinstance(table, Clusters) else len(table.clusters)
 
 
 def _listen(address: str) -> socket.socket:
