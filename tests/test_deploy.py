@@ -25,11 +25,22 @@ def test_compose_passes_only_known_settings_with_valid_defaults():
         assert k[len("KVREEL_"):] in SETTINGS_BY_NAME, k
         # resolve ${VAR:-default} to its default and ${X} placeholders to a sample value
         v = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v))
-        defaults[k] = re.sub(r"\$\{[A-Z_]+\}", "pw", v)
+        defaults[k] = re.sub(r"\$\{([A-Z_]+)\}", lambda m: "ab" * 16 if m.group(1).endswith("HEX") else "pw", v)
     KVReelConfig.load(env=defaults)          # raises on any invalid value
     ports = compose["services"]["vllm"]["ports"]
     assert all(p.startswith("127.0.0.1:") for p in ports), "publish on loopback only"
     assert "ports" not in compose["services"]["store"]
+
+
+def test_compose_runs_the_dre_behind_its_secret_inside_the_network():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    dre, vllm = compose["services"]["dre"], compose["services"]["vllm"]
+    assert "ports" not in dre                                   # never published
+    assert dre["entrypoint"][:2] == ["kvreel", "dre"]
+    assert ":?" in dre["environment"]["KVREEL_DRE_SECRET_HEX"]  # compose refuses to start without it
+    assert vllm["environment"]["KVREEL_DRE_SECRET_HEX"] == "${DRE_SECRET_HEX}"
+    assert vllm["environment"]["KVREEL_DRE_ADDRESS"] == f"dre:{dre['entrypoint'][-1].rsplit(':', 1)[1]}"
+    assert vllm["depends_on"]["dre"]["condition"] == "service_healthy"
 
 
 def test_dockerfiles_pin_their_versions():

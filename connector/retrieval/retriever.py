@@ -49,7 +49,7 @@ class Retriever:
         self._lock = threading.Lock()
         self._client: DREClient | None = None
         self._process: DREProcess | None = None
-        self._restarting = False
+        self._started = self._restarting = False
         # (layer, request's first block) -> handle of the table the DRE holds for it
         self._tables: OrderedDict[tuple[int, int], str] = OrderedDict()
         self._prefetched: dict[tuple[int, str], Future] = {}
@@ -62,11 +62,11 @@ class Retriever:
                 return self._client
             if self._restarting:
                 return None
-            first = self._client is None and self._process is None
+            first, self._started = not self._started, True
             self._restarting = True
-            if not first:
-                self.count("dre_restarts")
-                logger.warning("kvreel: the DRE service is gone; full attention until it is back (restarting it)")
+        if not first:
+            self.count("dre_restarts")
+            logger.warning("kvreel: the DRE service is gone; full attention until it is back (restarting it)")
         if first:
             self._connect()                 # the first connection is made inline (worker start-up)
             return self._client
