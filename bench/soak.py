@@ -6,12 +6,17 @@ Concurrent clients stream completions for a pool of prompts, most of them
 sharing one of a few long prefixes, the rest unique. kvreel runs with a small
 host tier (evictions all the time), a disk tier on a small tmpfs (when run as
 root) and Redis as the remote tier; vLLM's own prefix cache is reset every
-``--reset-every`` seconds so reuse goes through kvreel. During the run: Redis
-is killed and restarted empty, the disk tier is filled and freed, and stored
-chunks (disk files and Redis values) are corrupted. Every answer is compared
+``--reset-every`` seconds so reuse goes through kvreel. A few long sessions
+(``--long-prompts``, 3 000 tokens) run with retrieval attention (ReSV through
+the DRE service) above ``KVREEL_RETRIEVAL_MIN_TOKENS`` = 2 400. During the run:
+Redis is killed and restarted empty, the disk tier is filled and freed, the DRE
+is killed (twice), and stored chunks (disk files and Redis values) are
+corrupted. Every answer to a prompt under the retrieval threshold is compared
 with the answer plain vLLM gave for the same prompt alone, before the run
-(greedy, same model): a difference is a wrong answer. Reported: requests,
-errors, wrong answers, TTFT p50/p99 per phase, server memory over time.
+(greedy, same model): a difference is a wrong answer. Long sessions attend to
+part of their history by design, so for them only completion is checked.
+Reported: requests, errors, wrong answers, TTFT p50/p99 per phase, retrieval
+counters, server memory over time.
 """
 
 from __future__ import annotations
@@ -99,6 +104,26 @@ def soak_prompt(corpus: list[int], i: int, prefixes: int = 6, prefix_tokens: int
     return corpus[(i % prefixes) * prefix_tokens:(i % prefixes + 1) * prefix_tokens] + tail[i * 97:i * 97 + 64]
 
 
+def long_prompt(corpus: list[int], j: int, tokens: int = 3000) -> list[int]:
+    """A long session: one of the shared prefixes, then history of its own."""
+    return corpus[(j % 6) * 1536:(j % 6 + 1) * 1536] + corpus[400_000 + j * tokens:400_000 + (j + 1) * tokens][
+        :tokens - 1536]
+
+
+def kill_program(program: str) -> int:
+    """SIGKILL every process run as ``python -m program``; how many."""
+    import signal
+    killed = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and program.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed += 1
+        except OSError:
+            continue
+    return killed
+
+
 def near_tie(got, want, tolerance: float = 0.1) -> bool:
     """Whether two greedy answers first part where the reference's two best tokens
     were within ``tolerance`` nats and the answer took the other one (bf16 noise
@@ -164,6 +189,7 @@ def main():
     ap.add_argument("--kv-blocks", type=int, default=400,
                     help="vLLM's paged cache in blocks during the soak (reset_prefix_cache fails under load, "
                          "so eviction is what sends reuse through kvreel)")
+    ap.add_argument("--long-prompts", type=int, default=4, help="long sessions served with retrieval attention")
     ap.add_argument("--no-faults", action="store_true", help="load only")
     ap.add_argument("--control", action="store_true",
                     help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
@@ -173,12 +199,14 @@ def main():
     tok = AutoTokenizer.from_pretrained(a.model)
     corpus = tok(python_source_corpus(2_000_000))["input_ids"]
     prompts = [soak_prompt(corpus, i, a.prefixes, a.prefix_tokens) for i in range(a.prompts)]
+    exact = len(prompts)                  # prompts from here on are long sessions (retrieval)
+    prompts += [long_prompt(corpus, j) for j in range(0 if a.control else a.long_prompts)]
 
     work = Path(tempfile.mkdtemp(prefix="kvreel-soak-"))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     # reference: plain vLLM, each prompt alone
     server, base = start_server(a.model, env, False, work / "reference.log")
-    reference_runs = [complete(base, p, a.max_tokens) for p in tqdm(prompts, desc="reference answers")]
+    reference_runs = [complete(base, p, a.max_tokens) for p in tqdm(prompts[:exact], desc="reference answers")]
     reference = [r[0] for r in reference_runs]
     reference_steps = [r[3] for r in reference_runs]
     stop_server(server)
@@ -191,13 +219,16 @@ def main():
     redis_dir = tempfile.mkdtemp(prefix="kvreel-soak-redis-")
     redis, _ = start_redis(redis_dir, redis_port)
     kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
-            "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1"}
+            "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1",
+            "KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "2400", "KVREEL_RETRIEVAL_ALPHA": "0.9",
+            "KVREEL_RETRIEVAL_WINDOW": "256"}
     if a.control:
         kenv = env
     server, base = start_server(a.model, kenv, not a.control, work / "kvreel.log", a.kv_blocks)
     duration = a.minutes * 60
     faults = [] if a.control or a.no_faults else [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
-              (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted")]
+              (0.55, "DRE killed"), (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted"),
+              (0.90, "DRE killed")]
     events, samples, results = [], [], []
     lock = threading.Lock()
     t_start = time.monotonic()
@@ -210,8 +241,8 @@ def main():
             t = time.monotonic() - t_start
             try:
                 text, ttft, total, steps = complete(base, prompts[i], a.max_tokens)
-                differs = text != reference[i]
-                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True,
+                differs = i < exact and text != reference[i]
+                rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "long": i >= exact,
                        "wrong": differs and not near_tie(steps, reference_steps[i]),
                        "near_tie": differs and near_tie(steps, reference_steps[i]), "text": text}
             except Exception as e:  # noqa: BLE001 — an error is a result here
@@ -243,6 +274,8 @@ def main():
                             f.flush()
                     except OSError:
                         pass
+            elif what == "DRE killed":
+                n = f" ({kill_program('kvreel.connector.retrieval.dre_service')} process)"
             elif what == "disk freed":
                 filler.unlink(missing_ok=True)
             else:
@@ -285,6 +318,8 @@ def main():
     out = {"model": a.model, "minutes": a.minutes, "clients": a.clients, "prompts": a.prompts,
            "disk_tier_on_tmpfs": tmpfs, "requests": len(results), "served": len(ok),
            "errors": len(results) - len(ok), "wrong_answers": sum(r["wrong"] for r in ok),
+           "long_session_requests": sum(1 for r in results if r["prompt"] >= exact),
+           "long_session_served": sum(1 for r in ok if r["long"]),
            "near_tie_differences": sum(r["near_tie"] for r in ok),
            "wrong_by_prompt": {i: n for i in range(len(prompts))
                                if (n := sum(1 for r in ok if r["prompt"] == i and r["wrong"]))},
@@ -293,6 +328,7 @@ def main():
                        "max": max(s["rss_mib"] for s in samples)},
            "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
            "error_examples": [r["error"] for r in results if not r["ok"]][:5],
+           "retrieval_metrics": {k: v for k, v in kvreel_metrics.items() if "retrieval" in k or "dre" in k},
            "wrong_examples": [{"t": r["t"], "prompt": r["prompt"], "got": r["text"], "want": reference[r["prompt"]]}
                               for r in ok if r["wrong"]][:20],
            "memory": samples}

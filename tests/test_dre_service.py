@@ -179,3 +179,25 @@ def test_mosaic_tables_answer_what_the_index_selects_in_process(dre):
     mask = index.select_frame(queries, 0.8)
     assert torch.equal(reply["mask"], mask.unsqueeze(0))
     assert torch.equal(reply["tokens"], torch.nonzero(index.token_mask(mask.unsqueeze(0), len(keys))[0]).flatten())
+
+
+def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):
+    import subprocess
+    import sys
+    import time
+    code = ("import sys; from kvreel.connector.retrieval.dre_service import DREProcess\n"
+            f"p = DREProcess({str(tmp_path / 'dre.sock')!r}); p.start(); print(p.proc.pid, flush=True)\n"
+            "import os; os._exit(0)   # the worker dies without cleaning up\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if "State:\tZ" in f.read():        # exited, not yet reaped by init
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"DRE {pid} outlived its parent")

@@ -5,6 +5,7 @@ through a block table whose physical blocks are out of order."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -73,6 +74,15 @@ def test_long_sequence_attends_to_sink_selected_and_window_blocks_exactly(impl):
     assert 3 < len(kept_logical) < len(row)                           # some history dropped, some kept
     assert {0, 4, 8} <= set(kept_logical)                             # the query's direction was kept
     assert int(cut.seq_lens[0]) == T - BS * (len(row) - len(kept_logical))
+
+    # a prefill chunk that starts below the threshold attends fully: KV below it stays exact
+    # (threshold 200, chunk = positions 171-320: history 1-4 could be cut, but positions 171-199 must not)
+    cfg = impl.retriever.cfg
+    impl.retriever.cfg = dataclasses.replace(cfg, retrieval_min_tokens=200)
+    chunk = torch.tensor([0, 150], dtype=torch.int32)
+    prefill = dataclasses.replace(meta, query_start_loc=chunk, num_actual_tokens=150, max_query_len=150)
+    assert impl._retrieval_metadata(layer, query.expand(150, -1, -1).contiguous(), kv_cache, prefill) is prefill
+    impl.retriever.cfg = cfg
 
     output = torch.zeros(1, H * G, D, dtype=torch.bfloat16)
     impl.forward(layer, query, key[-1:], value[-1:], kv_cache, meta, output)

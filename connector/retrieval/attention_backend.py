@@ -18,6 +18,15 @@ attention for that step (counted, logged; the DRE is restarted in the
 background). Retrieval off, alpha = 1 or short sequences: vLLM's code path,
 untouched (bit-identical outputs).
 
+Only steps whose every query sits at or beyond ``KVREEL_RETRIEVAL_MIN_TOKENS``
+use retrieval (a prefill chunk that starts below it attends fully). So the KV
+of every position below the threshold is exactly vLLM's, and a short request
+that shares prefix blocks with a long session (through vLLM's prefix cache or
+kvreel's tiers) never reads KV computed with partial attention: a block
+computed with retrieval lies beyond the threshold, where only long sessions
+reach. (Found by the soak: a long session that resumed from a partly cached
+prefix computed shared prefix blocks with partial attention.)
+
 The DRE needs the history's keys as vLLM computed them; the CPU cache packs
 them per ISA, so each layer keeps a plain mirror of its keys by slot (written
 in ``do_kv_cache_update``, allocated only when retrieval is on).
@@ -88,9 +97,9 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         qsl = meta.query_start_loc.tolist()
         changed = False
         for r, seq_len in enumerate(seq_lens.tolist()):
-            if seq_len < cfg.retrieval_min_tokens:
-                continue
             q_len = qsl[r + 1] - qsl[r]
+            if seq_len - q_len < cfg.retrieval_min_tokens:
+                continue        # a query below the threshold: its KV must stay exact (see the module doc)
             sink = -(-SINK_TOKENS // block_size)
             tail = max(0, seq_len - q_len - cfg.retrieval_window) // block_size
             if tail <= sink:

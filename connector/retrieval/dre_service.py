@@ -192,8 +192,10 @@ class DREService:
         # scoring and WiCSum run on the service's device (a GPU: torch kernels)
         return Clusters(cl.labels, cl.means.to(self.device), cl.counts.to(self.device), cl.codes)
 
-    def serve(self, address: str) -> None:
-        """Serve until killed. ``address``: a filesystem path (Unix socket) or host:port."""
+    def serve(self, address: str, parent_pid: int | None = None) -> None:
+        """Serve until killed (or, with ``parent_pid``, until that process is gone:
+        a DRE started by a vLLM worker never outlives it). ``address``: a
+        filesystem path (Unix socket) or host:port."""
         listener = _listen(address)
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ)
@@ -205,7 +207,11 @@ class DREService:
                 sel.unregister(conn)
                 authed.pop(conn, None)
                 conn.close()
-            for key, _ in sel.select():
+            ready = sel.select(timeout=1.0)
+            if parent_pid is not None and os.getppid() != parent_pid:
+                logger.warning("kvreel DRE: parent process %d is gone; exiting", parent_pid)
+                return
+            for key, _ in ready:
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
                     nonce = secrets.token_hex(16) if self.secret else None
@@ -399,7 +405,8 @@ class DREProcess:
             env["KVREEL_DRE_SECRET_HEX"] = self.secret.hex()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.retrieval.dre_service",
                                       "--address", self.address, "--bits", str(self.bits),
-                                      "--hamming", str(self.hamming)], env=env,
+                                      "--hamming", str(self.hamming), "--parent-pid", str(os.getpid())],
+                                     env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:
@@ -433,11 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a Unix-socket path, or host:port (host defaults to 127.0.0.1)")
     ap.add_argument("--bits", type=int, default=12)
     ap.add_argument("--hamming", type=int, default=0)
+    ap.add_argument("--parent-pid", type=int, help="exit when this process is gone (set by DREProcess)")
     ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
     secret = bytes.fromhex(hex_secret) if hex_secret else None
-    DREService(a.bits, a.hamming, a.device, secret).serve(a.address)
+    DREService(a.bits, a.hamming, a.device, secret).serve(a.address, a.parent_pid)
     return 0
 
 

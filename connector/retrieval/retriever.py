@@ -6,6 +6,7 @@ counters without importing vLLM's CPU attention module."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import tempfile
 import threading
@@ -82,6 +83,7 @@ class Retriever:
                 if self._process is None:
                     address = tempfile.mkdtemp(prefix="kvreel-dre-") + "/dre.sock"
                     self._process = DREProcess(address, self.secret)
+                    atexit.register(self._process.stop)
                 self._process.stop()
                 client = self._process.start()
         except (OSError, DREError) as e:
