@@ -89,6 +89,13 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
+    def _history_key(self, history: torch.Tensor, block_size: int) -> str:
+        """Names a request's history: its block ids and, since freed blocks are
+        reused by other requests, the first layer's first key of each block."""
+        first = self.retriever.layers[min(self.retriever.layers)].key_mirror
+        probe = first[history.long() * block_size].contiguous().view(torch.uint8)
+        return f"{zlib.crc32(history.numpy().tobytes()):08x}{zlib.crc32(probe.numpy().tobytes()):08x}-{len(history)}"
+
     def _retrieval_metadata(self, layer, query, kv_cache, meta):
         """The metadata with long requests' block rows cut to sink + selected + window."""
         cfg = self.retriever.cfg
@@ -106,7 +113,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
                 continue
             row = block_table[r, :-(-seq_len // block_size)]
             history = row[sink:tail]
-            history_key = f"{zlib.crc32(history.numpy().tobytes()):08x}-{len(history)}"
+            history_key = self._history_key(history, block_size)
             slots = (history.long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
             queries = query[qsl[r]:qsl[r + 1]]
             H, G = self.num_kv_heads, self.num_heads // self.num_kv_heads

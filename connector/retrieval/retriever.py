@@ -53,7 +53,7 @@ class Retriever:
         self._started = self._restarting = False
         # (layer, request's first block) -> handle of the table the DRE holds for it
         self._tables: OrderedDict[tuple[int, int], str] = OrderedDict()
-        self._prefetched: dict[tuple[int, str], Future] = {}
+        self._prefetched: dict[tuple[int, int, str], Future] = {}     # (layer, owner, history) -> select
 
     # -- the DRE connection --------------------------------------------------------
     def client(self) -> DREClient | None:
@@ -103,7 +103,7 @@ class Retriever:
 
     # -- selection -------------------------------------------------------------------
     def _request(self, client: DREClient, layer: int, owner: int, history_key: str,
-                 keys: torch.Tensor, queries: torch.Tensor, block: int) -> Future:
+                 keys_of: Callable[[int], torch.Tensor], queries: torch.Tensor, block: int) -> Future:
         """Cluster the layer's history (if the DRE does not hold it yet) and select."""
         handle = f"{layer}:{history_key}"
         if self._tables.get((layer, owner)) != handle:
@@ -112,7 +112,7 @@ class Retriever:
                 client.submit("drop", handle=old)
             while len(self._tables) >= MAX_TABLES:      # finished requests' tables
                 client.submit("drop", handle=self._tables.popitem(last=False)[1])
-            client.submit("cluster", handle=handle, keys=keys.float(), method=self.cfg.retrieval)
+            client.submit("cluster", handle=handle, keys=keys_of(layer).float(), method=self.cfg.retrieval)
             self._tables[(layer, owner)] = handle
         return client.submit("select", handle=handle, queries=queries.float(), alpha=self.cfg.retrieval_alpha,
                              per_frame=True, block=block)
@@ -126,13 +126,15 @@ class Retriever:
             self.count("retrieval_steps", label="dre_down")
             return None
         try:
-            fut = self._prefetched.pop((layer, history_key), None) or \
-                self._request(client, layer, owner, history_key, keys_of(layer), queries, block)
+            fut = self._prefetched.pop((layer, owner, history_key), None) or \
+                self._request(client, layer, owner, history_key, keys_of, queries, block)
             nxt = self.layers.get(layer + 1)
             if nxt is not None and nxt.key_mirror is not None:
                 # the next layer's selection, predicted from this layer's queries (cross-layer prefetch)
-                self._prefetched[(layer + 1, history_key)] = self._request(
-                    client, layer + 1, owner, history_key, keys_of(layer + 1), queries, block)
+                if len(self._prefetched) > MAX_TABLES:      # left by requests that ended mid-step
+                    self._prefetched.clear()
+                self._prefetched[(layer + 1, owner, history_key)] = self._request(
+                    client, layer + 1, owner, history_key, keys_of, queries, block)
             reply = fut.result(timeout=self.cfg.retrieval_deadline_ms / 1000)
         except FutureTimeout:
             self.count("retrieval_steps", label="dre_late")
