@@ -217,10 +217,27 @@ def cmd_doctor(args) -> int:
                 rows.append(("remote tier", f"UNREACHABLE: {e}"))
         else:
             rows.append(("remote tier", "off (KVREEL_REMOTE_URL unset)"))
+        rows.append(("retrieval attention", _retrieval_status(cfg)))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return status
+
+
+def _retrieval_status(cfg) -> str:
+    if cfg.retrieval == "off":
+        return "off (KVREEL_RETRIEVAL=off)"
+    what = f"{cfg.retrieval}, alpha {cfg.retrieval_alpha}, from {cfg.retrieval_min_tokens} tokens (vLLM's CPU backend)"
+    if not cfg.dre_address:
+        return f"{what}; DRE started by each worker"
+    from kvreel.connector.retrieval.dre_service import DREClient, DREError
+    try:
+        client = DREClient(cfg.dre_address, bytes.fromhex(cfg.dre_secret_hex) if cfg.dre_secret_hex else None)
+        client.submit("ping").result(5)
+        client.close()
+        return f"{what}; DRE at {cfg.dre_address} reachable"
+    except (OSError, DREError, TimeoutError) as e:
+        return f"{what}; DRE at {cfg.dre_address} UNREACHABLE: {e} (attention stays full until it is up)"
 
 
 def _model_kv(model_dir: str, text: str, tokens: int):

@@ -26,6 +26,9 @@ def test_doctor_reports_tiers_and_refuses_bad_settings(tmp_path, redis_server):
     assert f"{tmp_path}/d writable" in ok.stdout
     assert f"redis://:***@127.0.0.1:{port}/0 reachable" in ok.stdout
     assert "encoder libx265 (lossless HEVC)  available" in ok.stdout
+    assert "retrieval attention" in ok.stdout and "off (KVREEL_RETRIEVAL=off)" in ok.stdout
+    dead = kvreel("doctor", env={"KVREEL_RETRIEVAL": "resv", "KVREEL_DRE_ADDRESS": str(tmp_path / "no.sock")})
+    assert dead.returncode == 0 and f"DRE at {tmp_path}/no.sock UNREACHABLE" in dead.stdout
     bad = kvreel("doctor", env={"KVREEL_CPU_BYTE": "1GiB", "KVREEL_REMOTE_URL": "redis://127.0.0.1:1/0"})
     assert bad.returncode == 1
     assert "did you mean KVREEL_CPU_BYTES?" in bad.stdout
