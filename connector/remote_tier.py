@@ -144,6 +144,7 @@ class RemoteTier:
         self.failed_uploads = 0
         self.dropped_uploads = 0
         self._reported_failures = 0
+        self._encode_seconds: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="kvreel-remote-upload", daemon=True)
         self._thread.start()
 
@@ -156,16 +157,29 @@ class RemoteTier:
             self._log.warn("kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
             return False
 
-    def encode_forms(self, block_hashes: list[bytes], payload: torch.Tensor) -> dict[str, bytes]:
-        """Every configured form of one chunk: form name -> stored bytes."""
+    def encode_forms(self, block_hashes: list[bytes], payload: torch.Tensor,
+                     seconds: dict[str, float] | None = None) -> dict[str, bytes]:
+        """Every configured form of one chunk: form name -> stored bytes (and the
+        time each form took added to ``seconds``)."""
+        t0 = time.perf_counter()
         raw = b"".join(bytes(p) for p in encode_chunk_file(self.identity, block_hashes, payload))
         out = {"raw": raw}
+        encoders = {}
         if "zstd" in self.forms:
-            out["zstd"] = zstandard.ZstdCompressor(level=3).compress(raw)
+            encoders["zstd"] = lambda: zstandard.ZstdCompressor(level=3).compress(raw)
         if "video" in self.forms:
             kv = self.kv_view.to_kv(payload)
             for r in self.resolutions:
-                out[f"video@{r}"] = encode_chunk(kv, quant=self.quant, resolutions=(r,), model=self.identity)
+                encoders[f"video@{r}"] = lambda r=r: encode_chunk(kv, quant=self.quant, resolutions=(r,),
+                                                                  model=self.identity)
+        timed = {"raw": time.perf_counter() - t0}
+        for form, encode in encoders.items():
+            t0 = time.perf_counter()
+            out[form] = encode()
+            timed[form] = time.perf_counter() - t0
+        if seconds is not None:
+            for form, dt in timed.items():
+                seconds[form] = seconds.get(form, 0.0) + dt
         return out
 
     def _run(self) -> None:
@@ -175,7 +189,7 @@ class RemoteTier:
                 if item is None:
                     return
                 key, hashes, payload = item
-                forms = self.encode_forms(hashes, payload)
+                forms = self.encode_forms(hashes, payload, self._encode_seconds)
                 self.store.put_many({form_key(self.identity, f, key, self.quant): v for f, v in forms.items()})
                 manifest = {"forms": {f: len(v) for f, v in forms.items()}, "quant": self.quant,
                             "payload": list(payload.shape)}
@@ -262,6 +276,11 @@ class RemoteTier:
     def drop_form(self, key: bytes, form: str) -> None:
         """Remove a damaged form so that lookups/fetches stop offering it."""
         delete_quietly(self.store, form_key(self.identity, form, key, self.quant))
+
+    def take_encode_seconds(self) -> dict[str, float]:
+        """Encode time per form since the last call (for the metrics)."""
+        taken, self._encode_seconds = self._encode_seconds, {}
+        return taken
 
     def take_upload_failures(self) -> int:
         """Uploads failed or dropped since the last call (for the metrics)."""

@@ -30,6 +30,13 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                            ("form",)),
     "remote_upload_failures": ("vllm:kvreel_remote_upload_failures_total",
                                "Chunks the remote uploader failed to store or dropped (queue full)", ()),
+    "encode_seconds": ("vllm:kvreel_encode_seconds_total",
+                       "Time the uploader spent producing each stored form (raw file, zstd, video per resolution)",
+                       ("form",)),
+    "remote_transfer_seconds": ("vllm:kvreel_remote_transfer_seconds_total",
+                                "Time spent moving remote chunks over the link, by form", ("form",)),
+    "decode_seconds": ("vllm:kvreel_decode_seconds_total",
+                       "Time spent decoding and verifying fetched chunks (NVDEC or CPU), by form", ("form",)),
     "retrieval_steps": ("vllm:kvreel_retrieval_steps_total",
                         "Attention calls of long sequences, by outcome: selected, or full attention because "
                         "the DRE was late or down", ("outcome",)),

@@ -16,8 +16,8 @@ from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, DiskTier
 from kvreel.connector.metadata import HOST, REMOTE, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
-from kvreel.connector.stats import KVReelStats
 from kvreel.connector.retrieval.retriever import take_retrieval_stats
+from kvreel.connector.stats import KVReelStats
 
 logger = logging.getLogger("kvreel.worker")
 
@@ -133,6 +133,8 @@ class KVReelWorker:
             with self._lock:
                 self.stats.add("remote_fetches", 1, r.form)
                 self.stats.add("remote_fetch_bytes", r.wire_bytes, r.form)
+                self.stats.add("remote_transfer_seconds", r.transmit_s, r.form)
+                self.stats.add("decode_seconds", r.decode_s, r.form)
             try:
                 if r.error is not None:
                     raise r.error if isinstance(r.error, ChunkFileError) else ChunkUnavailable(str(r.error))
@@ -230,6 +232,8 @@ class KVReelWorker:
                 failures = self.remote.take_upload_failures()
                 if failures:
                     self.stats.add("remote_upload_failures", failures)
+                for form, seconds in self.remote.take_encode_seconds().items():
+                    self.stats.add("encode_seconds", seconds, form)
             retrieval = take_retrieval_stats()
             if retrieval is not None:
                 self.stats.aggregate(retrieval)

@@ -103,6 +103,9 @@ def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
     tier = make_tier(tmp_path / "store", forms)
     keys, data = upload(tier, 2)
     names = ["raw", "zstd", "video@256"]
+    encoded = tier.take_encode_seconds()                 # what the metrics export, per form
+    assert set(encoded) == set(names) and all(t > 0 for t in encoded.values())
+    assert tier.take_encode_seconds() == {}
     profile = profile_for(tmp_path, tier, names)
     assert all(profile.get(f) is not None for f in names)
     ctrl = FetchController(tier, profile, streams=1)

@@ -84,6 +84,8 @@ def test_every_stored_form_restores_exactly(tiny_model, redis_server, form, mode
     assert again["logprobs"] == base["phases"][1][0]["logprobs"]
     fetched = {k: v for k, v in reel["metrics"].items() if k.startswith("vllm:kvreel_remote_fetches_total")}
     assert fetched == {f"vllm:kvreel_remote_fetches_total|{form}": 3}
+    assert reel["metrics"][f"vllm:kvreel_remote_transfer_seconds_total|{form}"] > 0
+    assert reel["metrics"][f"vllm:kvreel_decode_seconds_total|{form}"] > 0
 
 
 def test_damaged_video_form_falls_back_to_raw_exactly(tiny_model, redis_server):
