@@ -179,6 +179,9 @@ def test_mosaic_tables_answer_what_the_index_selects_in_process(dre):
     mask = index.select_frame(queries, 0.8)
     assert torch.equal(reply["mask"], mask.unsqueeze(0))
     assert torch.equal(reply["tokens"], torch.nonzero(index.token_mask(mask.unsqueeze(0), len(keys))[0]).flatten())
+    pages = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True, block=32).result(30)
+    kept = pages["tokens"].view(-1, 32)                  # whole 32-token pages, in order
+    assert torch.equal(kept, kept[:, :1] + torch.arange(32)) and 0 < len(kept) < len(keys) // 32
 
 
 def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):
