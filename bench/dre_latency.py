@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--alpha", type=float, default=0.9)
     a = ap.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
-    proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock", bits=12, hamming=1)
+    proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock", bits=12, hamming=0)   # as the worker starts it
     client = proc.start()
     rows = []
     try:

@@ -36,6 +36,8 @@ def test_clusters_partition_tokens_and_respect_the_hamming_radius(hamming):
     same = codes.unsqueeze(0) == codes.unsqueeze(1)          # equal hashes share a cluster
     assert bool((cl.labels.unsqueeze(0) == cl.labels.unsqueeze(1))[same].all())
     assert torch.equal(cl.tokens(torch.tensor([0])), torch.nonzero(cl.labels == 0).flatten())
+    first_seen = [int(torch.nonzero(cl.labels == c)[0]) for c in range(cl.num_clusters)]
+    assert first_seen == sorted(first_seen) and first_seen[0] == 0      # numbered by first appearance
     if hamming == 0:
         assert cl.num_clusters == torch.unique(codes).numel()
 

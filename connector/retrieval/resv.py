@@ -74,6 +74,13 @@ def cluster_keys(keys: torch.Tensor, planes: torch.Tensor, hamming: int) -> Clus
     first = torch.full((uniq.numel(),), keys.shape[0], dtype=torch.int64)
     first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
     order = torch.argsort(first)
+    if hamming == 0:              # every hash its own cluster, numbered by first appearance (no loop needed)
+        code_cluster = torch.empty(uniq.numel(), dtype=torch.int64)
+        code_cluster[order] = torch.arange(uniq.numel())
+        labels = code_cluster[inverse]
+        counts = torch.bincount(labels, minlength=uniq.numel())
+        sums = torch.zeros(uniq.numel(), keys.shape[1]).index_add_(0, labels, keys.float())
+        return Clusters(labels, sums / counts.unsqueeze(1), counts, uniq[order])
     centers: list[int] = []
     center_codes = torch.empty(0, dtype=torch.int64)
     code_cluster = torch.empty(uniq.numel(), dtype=torch.int64)
