@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> None:
     src_k, src_v = (keys.pin_memory(), values.pin_memory()) if pin else (keys, values)
     C = int(layout.counts.numel())
     rows = []
-    for share in SHARES:
+    for share in tqdm(SHARES, desc="selected shares"):
         chosen = torch.randperm(C, generator=g)[:max(1, int(share * C))]
         ids, _ = layout.fetch(chosen, a.device)
         nbytes = len(ids) * 2 * D * 2
@@ -69,7 +70,7 @@ def main() -> None:
         row = {"cluster_share": share, "tokens": len(ids), "copies": len(layout.runs(chosen)),
                "clustered_GBps": round(nbytes / t_cluster / 1e9, 3), "per_token_GBps": round(nbytes / t_token / 1e9, 3)}
         rows.append(row)
-        print(row, flush=True)
+        tqdm.write(str(row))
     name = "cluster_fetch" if a.device == "cpu" else f"cluster_fetch_{a.device}"
     save(name, {"setting": {"tokens": T, "head_dim": D, "dtype": "bfloat16", "clusters": C, "device": a.device},
                 "rows": rows})

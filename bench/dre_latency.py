@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
     client = proc.start()
     rows = []
     try:
-        for T in sizes:
+        for T in tqdm(sizes, desc="cache sizes"):
             keys = keys_for(T)
             values = torch.randn(H, T, D)
             q = keys[:, torch.randint(0, T, (a.frame * G,))].reshape(H * G, a.frame, D) * 0.5
@@ -96,7 +97,7 @@ def main() -> None:
                    "hidden_fraction": round(max(0.0, 1 - statistics.median(hidden) / sel), 3),
                    "kept_share": round(kept / T, 3)}
             rows.append(row)
-            print(row, flush=True)
+            tqdm.write(str(row))
             client.submit("drop", handle=f"T{T}").result(10)
     finally:
         client.close()
