@@ -145,6 +145,7 @@ class RemoteTier:
         self.dropped_uploads = 0
         self._reported_failures = 0
         self._encode_seconds: dict[str, float] = {}
+        self._encode_lock = threading.Lock()        # the uploader adds, the metrics take
         self._thread = threading.Thread(target=self._run, name="kvreel-remote-upload", daemon=True)
         self._thread.start()
 
@@ -161,25 +162,23 @@ class RemoteTier:
                      seconds: dict[str, float] | None = None) -> dict[str, bytes]:
         """Every configured form of one chunk: form name -> stored bytes (and the
         time each form took added to ``seconds``)."""
+        def took(form: str, t0: float) -> None:
+            if seconds is not None:
+                seconds[form] = seconds.get(form, 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         raw = b"".join(bytes(p) for p in encode_chunk_file(self.identity, block_hashes, payload))
         out = {"raw": raw}
-        encoders = {}
+        took("raw", t0)
         if "zstd" in self.forms:
-            encoders["zstd"] = lambda: zstandard.ZstdCompressor(level=3).compress(raw)
+            t0 = time.perf_counter()
+            out["zstd"] = zstandard.ZstdCompressor(level=3).compress(raw)
+            took("zstd", t0)
         if "video" in self.forms:
             kv = self.kv_view.to_kv(payload)
             for r in self.resolutions:
-                encoders[f"video@{r}"] = lambda r=r: encode_chunk(kv, quant=self.quant, resolutions=(r,),
-                                                                  model=self.identity)
-        timed = {"raw": time.perf_counter() - t0}
-        for form, encode in encoders.items():
-            t0 = time.perf_counter()
-            out[form] = encode()
-            timed[form] = time.perf_counter() - t0
-        if seconds is not None:
-            for form, dt in timed.items():
-                seconds[form] = seconds.get(form, 0.0) + dt
+                t0 = time.perf_counter()
+                out[f"video@{r}"] = encode_chunk(kv, quant=self.quant, resolutions=(r,), model=self.identity)
+                took(f"video@{r}", t0)
         return out
 
     def _run(self) -> None:
@@ -189,7 +188,11 @@ class RemoteTier:
                 if item is None:
                     return
                 key, hashes, payload = item
-                forms = self.encode_forms(hashes, payload, self._encode_seconds)
+                spent: dict[str, float] = {}
+                forms = self.encode_forms(hashes, payload, spent)
+                with self._encode_lock:
+                    for form, dt in spent.items():
+                        self._encode_seconds[form] = self._encode_seconds.get(form, 0.0) + dt
                 self.store.put_many({form_key(self.identity, f, key, self.quant): v for f, v in forms.items()})
                 manifest = {"forms": {f: len(v) for f, v in forms.items()}, "quant": self.quant,
                             "payload": list(payload.shape)}
@@ -279,7 +282,8 @@ class RemoteTier:
 
     def take_encode_seconds(self) -> dict[str, float]:
         """Encode time per form since the last call (for the metrics)."""
-        taken, self._encode_seconds = self._encode_seconds, {}
+        with self._encode_lock:
+            taken, self._encode_seconds = self._encode_seconds, {}
         return taken
 
     def take_upload_failures(self) -> int:

@@ -271,14 +271,14 @@ def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
     cluster's mass, shared evenly by the cluster's tokens)."""
     if isinstance(table, Clusters):
         mass = torch.softmax(frame_scores(cluster_scores(queries, table)), dim=-1)[0].cpu()
-        labels, counts = table.labels, table.counts.cpu()
-    else:
-        mass = torch.softmax(table.scores(queries.cpu()), dim=-1).mean(0)
-        labels = torch.zeros(n_tokens, dtype=torch.long)
-        for i, c in enumerate(table.clusters):
-            labels[torch.tensor(c.tokens, dtype=torch.long)] = i
-        counts = torch.tensor([c.count for c in table.clusters])
-    return mass[labels] / counts[labels].float()
+        return mass[table.labels] / table.counts.cpu()[table.labels].float()
+    mass = torch.softmax(table.scores(queries.cpu()), dim=-1).mean(0)
+    counts = torch.tensor([c.count for c in table.clusters], dtype=torch.float32)
+    owner = table.owners(n_tokens)
+    valid = owner >= 0
+    out = torch.zeros(n_tokens)
+    out[valid] = mass[owner[valid]] / counts[owner[valid]]
+    return out
 
 
 def _select_blocks(tables, queries: torch.Tensor, n_tokens: int, alpha: float, block: int) -> torch.Tensor:

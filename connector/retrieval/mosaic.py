@@ -191,11 +191,16 @@ class MosaicIndex:
         reps.scatter_(1, masked.argmax(-1), True)                               # one per visual group
         return stage2 | reps
 
-    def token_mask(self, cluster_mask: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """[R, C] cluster selection -> [R, n_tokens] token selection."""
+    def owners(self, n_tokens: int) -> torch.Tensor:
+        """[n_tokens]: the cluster of each token (-1: in none)."""
         owner = torch.full((n_tokens,), -1, dtype=torch.long)
         for i, c in enumerate(self.clusters):
-            owner[torch.tensor(c.tokens)] = i
+            owner[torch.tensor(c.tokens, dtype=torch.long)] = i
+        return owner
+
+    def token_mask(self, cluster_mask: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[R, C] cluster selection -> [R, n_tokens] token selection."""
+        owner = self.owners(n_tokens)
         valid = owner >= 0
         out = torch.zeros(cluster_mask.shape[0], n_tokens, dtype=torch.bool)
         out[:, valid] = cluster_mask[:, owner[valid]]
