@@ -14,7 +14,10 @@ Error = ||O' - O|| / ||O||, recall = attention mass kept, fetched = history
 tokens in the union of the frame's selections (a fetched token serves every
 row) over the candidates. Means over layers and heads.
 
-Methods: frame top-k (ReKV style; oracle frame scores, its best case), per-row
+Methods: ReKV (the history cut into segments of ``--frame`` tokens, standing in
+for video frames; a segment's score is the cosine of the frame's mean query and
+the segment's mean key; whole segments fetched, fixed top-k), frame top-k with
+oracle frame scores (ReKV's best case at token granularity: a bound), per-row
 top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
 per-row WiCSum on oracle mass (a bound, not a method), ReSV: hash-bit clusters
 of post-RoPE keys, WiCSum on *predicted* mass (cluster size x exp(q . mean
@@ -43,7 +46,8 @@ from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame
 
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
-RESV_CONFIGS = ((12, 0), (16, 1), (16, 2))          # (bits, hamming radius)
+REKV_RATIOS = RATIOS + (0.8, 0.9, 1.0)
+RESV_CONFIGS = ((12, 0), (14, 0), (16, 1), (16, 2))          # (bits, hamming radius)
 MOSAIC_CONFIGS = (16, 32)                            # semantic clusters per visual cluster
 
 
@@ -62,7 +66,7 @@ def evaluate(q, k, v, mask, cand, visible):
     return err, recall, fetched
 
 
-def methods(q, k, v, always, cand, visual, page: int = 16):
+def methods(q, k, v, always, cand, visual, segment: int, page: int = 16):
     """Yields (method, parameter, mask [R, N]); ``always`` [R, N] is kept by every method."""
     R, N = q.shape[0], k.shape[0]
     d = q.shape[-1]
@@ -78,14 +82,22 @@ def methods(q, k, v, always, cand, visual, page: int = 16):
         top = torch.topk(frame_score, n).indices
         m = torch.zeros(N, dtype=torch.bool)
         m[top] = True
-        yield "frame top-k (ReKV)", r, with_always(m.expand(R, N))
+        yield "frame top-k, oracle (bound)", r, with_always(m.expand(R, N))
+    idx = torch.nonzero(cand).flatten()
+    seg = idx // segment
+    seg_keys = torch.zeros(int(seg.max()) + 1, d).index_add_(0, seg, k[idx])    # sums: cosine ignores the count
+    seg_score = torch.nn.functional.cosine_similarity(seg_keys, q.mean(0, keepdim=True), dim=-1)
+    for r in REKV_RATIOS:
+        n = max(1, round(r * seg_keys.shape[0]))
+        m = torch.zeros(N, dtype=torch.bool)
+        m[idx[torch.isin(seg, torch.topk(seg_score, n).indices)]] = True
+        yield "ReKV frames", r, with_always(m.expand(R, N))
     row_score = logits.masked_fill(~cand, float("-inf"))
     for r in RATIOS:
         n = max(1, int(r * ncand))
         top = torch.topk(row_score, n, dim=-1).indices
         yield "row top-k (InfiniGen)", r, with_always(torch.zeros(R, N, dtype=torch.bool).scatter_(1, top, True))
     # Quest: pages of candidates, score bound sum_d max(q_d min_d, q_d max_d)
-    idx = torch.nonzero(cand).flatten()
     pages = [idx[i:i + page] for i in range(0, idx.numel(), page)]
     kmin = torch.stack([k[pg].min(0).values for pg in pages])
     kmax = torch.stack([k[pg].max(0).values for pg in pages])
@@ -157,7 +169,7 @@ def main():
             kk, vv = k[layer, h], v[layer, h]
             visible = causal.repeat(len(group), 1)
             always = ~cand.unsqueeze(0) & visible       # sinks, window and the frame itself (causal)
-            for name, param, mask in methods(rows, kk, vv, always, cand, visual):
+            for name, param, mask in methods(rows, kk, vv, always, cand, visual, a.frame):
                 res = evaluate(rows, kk, vv, mask & visible, cand, visible)
                 curves.setdefault(name, {}).setdefault(param, []).append(res)
                 per_head.setdefault(name, {}).setdefault(param, []).append([layer, h, res[2], res[0]])
@@ -178,21 +190,26 @@ def main():
         return min((n for n in needed if n.startswith(prefix) and needed[n] is not None),
                    key=lambda n: needed[n], default=None)
     best_resv, best_mosaic = best("ReSV"), best("Mosaic")
-    frame = needed.get("frame top-k (ReKV)")
+    frame, rekv = needed.get("frame top-k, oracle (bound)"), needed.get("ReKV frames")
+
+    def ratio(method, base):
+        return needed[method] / base if method and base else None
     out = {"model": a.model, "tokens": a.tokens, "frame": a.frame, "sink": a.sink, "window": a.window,
            "shape": {"layers": L, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D},
            "curves": summary, "fetched_at_1pct_error": needed,
            "mosaic_cross_layer_prefetch_hit_rate": sum(prefetch) / len(prefetch) if prefetch else None,
-           "resv_vs_frame_topk_at_1pct": (needed[best_resv] / frame) if best_resv and frame else None,
+           "resv_vs_frame_topk_at_1pct": ratio(best_resv, frame), "resv_vs_rekv_at_1pct": ratio(best_resv, rekv),
            "best_resv": best_resv, "best_mosaic": best_mosaic,
-           "mosaic_vs_frame_topk_at_1pct": (needed[best_mosaic] / frame) if best_mosaic and frame else None}
+           "mosaic_vs_frame_topk_at_1pct": ratio(best_mosaic, frame),
+           "mosaic_vs_rekv_at_1pct": ratio(best_mosaic, rekv)}
     if best_resv:
         alpha = min((p for p in summary[best_resv] if p["error"] <= 0.01), key=lambda p: p["fetched"],
                     default=summary[best_resv][-1])["param"]
         out["heatmap"] = {"method": best_resv, "alpha": alpha, "cells": per_head[best_resv][alpha]}
-        _heatmap(out["heatmap"], L, Hkv)
-    path = save("retrieval_quality", out)
-    _plot(summary)
+        _heatmap(out["heatmap"], L, Hkv, f"retrieval_ratio_heatmap_{Path(a.model).name}")
+    name = f"retrieval_quality_{Path(a.model).name}"
+    path = save(name, out)
+    _plot(summary, name)
     print("fetched share at 1% error:", {k: (round(v, 3) if v else v) for k, v in needed.items()})
     print("wrote", path)
 
@@ -212,7 +229,7 @@ def _fetched_at(pts, target):
     return None
 
 
-def _plot(summary):
+def _plot(summary, out_name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -230,25 +247,25 @@ def _plot(summary):
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "retrieval_quality.png", dpi=120)
+    fig.savefig(RESULTS / f"{out_name}.png", dpi=120)
     plt.close(fig)
 
 
-def _heatmap(hm, L, H):
+def _heatmap(hm, L, H, name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     grid = torch.zeros(L, H)
     for layer, h, fetched, _ in hm["cells"]:
         grid[int(layer), int(h)] = fetched
-    fig, ax = plt.subplots(figsize=(3 + H, 3.5))
+    fig, ax = plt.subplots(figsize=(3 + H, 3.5 + L / 10))
     im = ax.imshow(grid.numpy(), cmap="viridis", aspect="auto")
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
     ax.set_title(f"{hm['method']} alpha={hm['alpha']}: share fetched", fontsize=9)
     fig.colorbar(im)
     fig.tight_layout()
-    fig.savefig(RESULTS / "retrieval_ratio_heatmap.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)
 
 

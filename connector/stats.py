@@ -45,6 +45,9 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "retrieval_kept_blocks": ("vllm:kvreel_retrieval_kept_blocks_total",
                               "History blocks retrieval attention selected and attended to", ()),
     "dre_restarts": ("vllm:kvreel_dre_restarts_total", "Times the DRE service was found dead and restarted", ()),
+    "dre_tables": ("vllm:kvreel_dre_tables_total",
+                   "History tables sent to the DRE, by how: clustered anew, or extended with a growing "
+                   "session's new blocks", ("how",)),
 }
 
 

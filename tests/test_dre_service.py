@@ -170,18 +170,47 @@ def test_pages_of_several_heads_are_kept_by_their_predicted_mass(dre):
 
 
 def test_mosaic_tables_answer_what_the_index_selects_in_process(dre):
-    from kvreel.connector.retrieval.dre_service import _mosaic
+    from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
     keys, queries = data(T=256)
     client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
     reply = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True).result(30)
-    index = _mosaic(keys.float(), 32)
+    index = MosaicSession.build(keys.float(), 32).index
     mask = index.select_frame(queries, 0.8)
     assert torch.equal(reply["mask"], mask.unsqueeze(0))
     assert torch.equal(reply["tokens"], torch.nonzero(index.token_mask(mask.unsqueeze(0), len(keys))[0]).flatten())
     pages = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True, block=32).result(30)
     kept = pages["tokens"].view(-1, 32)                  # whole 32-token pages, in order
     assert torch.equal(kept, kept[:, :1] + torch.arange(32)) and 0 < len(kept) < len(keys) // 32
+
+
+def test_extended_tables_answer_as_tables_of_the_whole_history(dre):
+    from kvreel.connector.retrieval.mosaic import MosaicSession
+    _, client = dre
+    keys, queries = data(T=608)
+    _, mask, tokens = expected(keys, queries, 0.9, True)
+    client.submit("cluster", handle="r0", keys=keys[:320])
+    for i, start in enumerate(range(320, 608, 32)):          # a session growing block by block
+        client.submit("extend", handle=f"r{i + 1}", base=f"r{i}", keys=keys[start:start + 32])
+    reply = client.submit("select", handle="r9", queries=queries, alpha=0.9, per_frame=True).result(10)
+    assert torch.equal(reply["mask"], mask) and torch.equal(reply["tokens"], tokens)
+    with pytest.raises(DREError, match="unknown handle 'r8'"):          # the base is forgotten
+        client.submit("select", handle="r8", queries=queries, alpha=0.9).result(10)
+    with pytest.raises(DREError, match="unknown handle 'nope'"):
+        client.submit("extend", handle="x", base="nope", keys=keys[:32]).result(10)
+    with pytest.raises(DREError, match="keys of 1 heads"):
+        client.submit("extend", handle="r10", base="r9", keys=torch.stack([keys[:32], keys[:32]])).result(10)
+    assert torch.equal(client.submit("select", handle="r9", queries=queries, alpha=0.9,       # a refused extend
+                                     per_frame=True).result(10)["tokens"], tokens)            # keeps its base
+
+    client.submit("cluster", handle="m0", keys=keys[:320], method="mosaic", segment=32)
+    client.submit("extend", handle="m1", base="m0", keys=keys[320:])
+    reply = client.submit("select", handle="m1", queries=queries, alpha=0.8, per_frame=True).result(30)
+    session = MosaicSession.build(keys[:320], 32)
+    session.extend(keys[320:])
+    want = session.index.select_frame(queries, 0.8)
+    assert torch.equal(reply["mask"], want.unsqueeze(0))
+    assert torch.equal(reply["tokens"], torch.nonzero(session.index.token_mask(want.unsqueeze(0), 608)[0]).flatten())
 
 
 def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):

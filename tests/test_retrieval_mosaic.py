@@ -2,7 +2,7 @@
 
 import torch
 
-from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate
+from kvreel.connector.retrieval.mosaic import MosaicIndex, MosaicSession, cosine_kmeans, prefetch_hit_rate
 
 
 def session(frames=12, per_frame=32, D=32, seed=0):
@@ -105,3 +105,33 @@ def test_frame_selection_serves_every_row():
     frame = index.select_frame(q, 0.7)
     assert frame.shape == (len(index.clusters),) and bool(frame.any())
     assert bool(index.select_frame(q, 1.0).all())
+
+
+def test_a_session_grows_online_without_reclustering():
+    keys, _, _, scene_of = session()
+    s = MosaicSession.build(keys[:192], segment=32)           # 6 frames clustered by k-means
+    built = [list(c.tokens) for c in s.index.clusters]
+    for start in range(192, 384, 16):                          # then half-frames arrive
+        s.extend(keys[start:start + 16])
+    assert s.num_tokens == 384 and torch.equal(s.keys, keys)
+    owner = s.index.owners(384)
+    assert bool((owner >= 0).all()) and sum(c.count for c in s.index.clusters) == 384
+    assert [c.tokens[:len(t)] for c, t in zip(s.index.clusters, built)] == built      # old members stay
+    assert len(s.frame_visual) == 12
+    for f in range(6, 12):      # a new frame joins the visual group of its scene's earlier frames
+        assert s.frame_visual[f] == s.frame_visual[int(torch.nonzero(scene_of[:6] == scene_of[f])[0])]
+    for t in range(192, 384):   # and its tokens join clusters of that group
+        assert s.index.clusters[int(owner[t])].visual == s.frame_visual[t // 32]
+
+
+def test_pending_splits_are_applied_only_to_fetched_clusters():
+    keys, _, _, _ = session()
+    s = MosaicSession.build(keys, segment=32)
+    big = max(range(len(s.index.clusters)), key=lambda i: s.index.clusters[i].count)
+    other = (big + 1) % len(s.index.clusters)
+    s.index.clusters[big].split_pending = s.index.clusters[other].split_pending = True
+    members, n = set(s.index.clusters[big].tokens), len(s.index.clusters)
+    s.after_fetch(torch.tensor([big]))
+    assert len(s.index.clusters) == n + 1
+    assert set(s.index.clusters[big].tokens) | set(s.index.clusters[-1].tokens) == members
+    assert s.index.clusters[other].split_pending           # not fetched: still deferred

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hash_keys, hyperplanes,
-                                             wicsum,
-                                             wicsum_bucketed)
+from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, extend_clusters, frame_scores, hash_keys,
+                                             hyperplanes, wicsum, wicsum_bucketed)
 
 
 def keys(T=512, D=64, seed=0):
@@ -40,6 +39,19 @@ def test_clusters_partition_tokens_and_respect_the_hamming_radius(hamming):
     assert first_seen == sorted(first_seen) and first_seen[0] == 0      # numbered by first appearance
     if hamming == 0:
         assert cl.num_clusters == torch.unique(codes).numel()
+
+
+@pytest.mark.parametrize("hamming", [0, 1, 2])
+def test_a_table_extended_block_by_block_is_the_table_of_all_tokens(hamming):
+    k, planes = torch.cat([keys(T=300), keys(T=400, seed=1)]), hyperplanes(64, 12)     # later tokens: new topics
+    whole = cluster_keys(k, planes, hamming)
+    grown = cluster_keys(k[:300], planes, hamming)
+    for start in range(300, 700, 32):
+        grown = extend_clusters(grown, k[start:start + 32], planes, hamming)
+    assert whole.num_clusters > cluster_keys(k[:300], planes, hamming).num_clusters     # new clusters opened
+    for field in ("labels", "counts", "codes"):
+        assert torch.equal(getattr(grown, field), getattr(whole, field)), field
+    assert torch.allclose(grown.means, whole.means, atol=1e-5)
 
 
 def test_wider_radius_gives_fewer_clusters():

@@ -46,6 +46,8 @@ def test_long_sequences_attend_to_selected_blocks_and_survive_a_dre_kill(tiny_mo
     got = _run(tiny_model, env=env, kvreel={"cpu_bytes": "64MiB"}, phases=[
         {"prompts": [LONG, SHORT], "max_tokens": 12},
         {"before": "kill:kvreel.connector.retrieval.dre_service", "prompts": [LONG], "max_tokens": 40},
+        # the DRE is back: decoding past a block boundary grows the history
+        {"before": "shell:sleep 5", "prompts": [LONG], "max_tokens": 40},
     ])
     m = got["metrics"]
     assert m.get("vllm:kvreel_retrieval_steps_total|selected", 0) > 0
@@ -54,7 +56,10 @@ def test_long_sequences_attend_to_selected_blocks_and_survive_a_dre_kill(tiny_mo
     assert 0 < kept < history                           # fewer blocks were attended to
     assert m.get("vllm:kvreel_retrieval_steps_total|dre_down", 0) > 0      # the killed DRE was noticed...
     assert m.get("vllm:kvreel_dre_restarts_total", 0) >= 1                 # ...and restarted
-    for phase, n in ((got["phases"][0], 12), (got["phases"][1], 40)):
+    # a history growing by a block is extended in the DRE, not clustered anew
+    assert m.get("vllm:kvreel_dre_tables_total|extended", 0) > 0
+    assert m.get("vllm:kvreel_dre_tables_total|clustered", 0) > 0
+    for phase, n in zip(got["phases"], (12, 40, 40)):
         assert all(len(o["token_ids"]) == n for o in phase)   # every request finished
     # the short prompt never reached the threshold: exactly the answer of the same batch without retrieval
     without = _run(tiny_model, kvreel={"cpu_bytes": "64MiB"}, phases=[{"prompts": [LONG, SHORT], "max_tokens": 12}])

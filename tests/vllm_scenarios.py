@@ -68,7 +68,7 @@ def kvreel_metrics(llm) -> dict:
         if metric.name.startswith("vllm:kvreel_") or metric.name == "vllm:num_preemptions":
             for s in metric.samples:
                 if s.name.endswith("_total"):
-                    label = s.labels.get("tier") or s.labels.get("form") or s.labels.get("outcome", "")
+                    label = next((s.labels[k] for k in ("tier", "form", "outcome", "how") if k in s.labels), "")
                     out[f"{s.name}|{label}" if label else s.name] = s.value
     return out
 

@@ -35,6 +35,7 @@ in ``do_kv_cache_update``, allocated only when retrieval is on).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import zlib
 
@@ -113,14 +114,15 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
                 continue
             row = block_table[r, :-(-seq_len // block_size)]
             history = row[sink:tail]
-            history_key = self._history_key(history, block_size)
             slots = (history.long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
             queries = query[qsl[r]:qsl[r + 1]]
             H, G = self.num_kv_heads, self.num_heads // self.num_kv_heads
             queries = queries.reshape(q_len, H, G, -1).permute(1, 0, 2, 3).reshape(H, q_len * G, -1)
             tokens = self.retriever.selection(
-                self.layer_index, int(row[0]), history_key, queries,
-                lambda i: self.retriever.layers[i].key_mirror[slots].permute(1, 0, 2), block_size)
+                self.layer_index, int(row[0]), functools.cache(lambda n: self._history_key(history[:n], block_size)),
+                len(history), queries,
+                lambda i, first: self.retriever.layers[i].key_mirror[slots[first * block_size:]].permute(1, 0, 2),
+                block_size)
             if tokens is None:
                 continue
             keep = torch.zeros(len(history), dtype=torch.bool)

@@ -12,6 +12,9 @@ Requests (each answered once, in any order, matched by ``id``):
 * ``cluster``  keys [T, D] of one (session, layer, head), or [heads, T, D], and
   ``method`` resv (HC table) or mosaic (centroid index) -> kept by the service
   under that handle; reply: cluster count.
+* ``extend``   ``base`` handle and the keys of the tokens that follow its
+  history -> the grown table under ``handle`` (``base`` is forgotten): only the
+  new tokens are hashed (ReSV) or assigned online (Mosaic).
 * ``select``   queries [R, D] (or [heads, R, D]), handle, alpha, per_frame ->
   the token ids of the union of the selected clusters over rows and heads [N]
   and, for one head, the bool cluster mask [R or 1, C] (shared memory). With
@@ -31,7 +34,6 @@ import argparse
 import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import selectors
@@ -47,9 +49,9 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
-from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans
-from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, frame_scores, hyperplanes,
-                                             wicsum)
+from kvreel.connector.retrieval.mosaic import MosaicSession
+from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, extend_clusters, frame_scores,
+                                             hyperplanes, wicsum)
 
 logger = logging.getLogger("kvreel.dre")
 _LEN = struct.Struct("<I")
@@ -146,15 +148,30 @@ class DREService:
             self.tables.pop(str(msg.get("handle")), None)
             return {"ok": True}
         if op == "cluster":
-            keys = take_tensor(msg["keys"]).float()
-            keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
+            keys = _head_keys(msg)
             method = str(msg.get("method", "resv"))
-            if keys.dim() != 3 or method not in ("resv", "mosaic"):
-                raise DREError(f"cluster wants keys [T, D] or [heads, T, D] and method resv|mosaic, "
-                               f"got {tuple(keys.shape)} and {method[:20]!r}")
+            if method not in ("resv", "mosaic"):
+                raise DREError(f"cluster wants method resv|mosaic, got {method[:20]!r}")
             segment = max(1, int(msg.get("segment", 32)))
-            tables = [self._resv(k) if method == "resv" else _mosaic(k, segment) for k in keys]
+            tables = [cluster_keys(k, self._planes_for(k), self.hamming).to(self.device) if method == "resv"
+                      else MosaicSession.build(k, segment) for k in keys]
             self.tables[str(msg["handle"])] = (tables, keys.shape[1])
+            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables)}
+        if op == "extend":
+            keys = _head_keys(msg)
+            base = self.tables.get(str(msg.get("base")))
+            if base is None:
+                raise DREError(f"unknown handle {str(msg.get('base'))[:80]!r}")
+            tables, n_tokens = base
+            if keys.shape[0] != len(tables):
+                raise DREError(f"extend wants keys of {len(tables)} heads, got {tuple(keys.shape)}")
+            del self.tables[str(msg["base"])]
+            for i, (k, table) in enumerate(zip(keys, tables)):
+                if isinstance(table, Clusters):
+                    tables[i] = extend_clusters(table, k, self._planes_for(k), self.hamming)
+                else:
+                    table.extend(k)
+            self.tables[str(msg["handle"])] = (tables, n_tokens + keys.shape[1])
             return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables)}
         if op == "select":
             queries = take_tensor(msg["queries"]).to(self.device, torch.float32)
@@ -176,9 +193,10 @@ class DREService:
                     mask = wicsum(frame_scores(scores) if per_frame else scores, alpha).cpu()
                     tokens.append(table.tokens(torch.nonzero(mask.any(0)).flatten()))
                 else:
-                    q = q.cpu()
-                    mask = table.select_frame(q, alpha).unsqueeze(0) if per_frame else table.select(q, alpha)
-                    tokens.append(torch.nonzero(table.token_mask(mask.any(0, keepdim=True), n_tokens)[0]).flatten())
+                    q, index = q.cpu(), table.index
+                    mask = index.select_frame(q, alpha).unsqueeze(0) if per_frame else index.select(q, alpha)
+                    tokens.append(torch.nonzero(index.token_mask(mask.any(0, keepdim=True), n_tokens)[0]).flatten())
+                    table.after_fetch(torch.nonzero(mask.any(0)).flatten())
                 masks.append(mask)
             reply = {"ok": True, "tokens": put_tensor(torch.unique(torch.cat(tokens)))}
             if len(masks) == 1:
@@ -186,11 +204,9 @@ class DREService:
             return reply
         raise DREError(f"unknown op {str(op)[:40]!r}")
 
-    def _resv(self, keys: torch.Tensor) -> Clusters:
-        planes = self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
-        cl = cluster_keys(keys, planes, self.hamming)
-        # scoring and WiCSum run on the service's device (a GPU: torch kernels)
-        return Clusters(cl.labels, cl.means.to(self.device), cl.counts.to(self.device), cl.codes)
+    def _planes_for(self, keys: torch.Tensor) -> torch.Tensor:
+        # scoring and WiCSum run on the service's device (a GPU: torch kernels); hashing on the CPU
+        return self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
 
     def serve(self, address: str, parent_pid: int | None = None) -> None:
         """Serve until killed (or, with ``parent_pid``, until that process is gone:
@@ -255,15 +271,12 @@ class DREService:
                     pass
 
 
-def _mosaic(keys: torch.Tensor, segment: int) -> MosaicIndex:
-    """Mosaic's index over one head's keys, with every ``segment`` tokens as a
-    "frame" (text segments standing in for video frames): frames grouped by
-    cosine k-means of their mean key, keys clustered inside each group."""
-    frame_of = torch.arange(keys.shape[0]) // segment
-    frames = int(frame_of[-1]) + 1 if len(frame_of) else 0
-    embeddings = torch.zeros(frames, keys.shape[1]).index_add_(0, frame_of, keys)
-    visual = cosine_kmeans(embeddings, max(1, round(math.sqrt(frames))))
-    return MosaicIndex.build(keys, frame_of, visual, per_visual=4)
+def _head_keys(msg: dict) -> torch.Tensor:
+    keys = take_tensor(msg["keys"]).float()
+    keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
+    if keys.dim() != 3:
+        raise DREError(f"{msg.get('op')} wants keys [T, D] or [heads, T, D], got {tuple(keys.shape)}")
+    return keys
 
 
 def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -272,9 +285,10 @@ def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
     if isinstance(table, Clusters):
         mass = torch.softmax(frame_scores(cluster_scores(queries, table)), dim=-1)[0].cpu()
         return mass[table.labels] / table.counts.cpu()[table.labels].float()
-    mass = torch.softmax(table.scores(queries.cpu()), dim=-1).mean(0)
-    counts = torch.tensor([c.count for c in table.clusters], dtype=torch.float32)
-    owner = table.owners(n_tokens)
+    index = table.index
+    mass = torch.softmax(index.scores(queries.cpu()), dim=-1).mean(0)
+    counts = torch.tensor([c.count for c in index.clusters], dtype=torch.float32)
+    owner = index.owners(n_tokens)
     valid = owner >= 0
     out = torch.zeros(n_tokens)
     out[valid] = mass[owner[valid]] / counts[owner[valid]]
@@ -289,11 +303,16 @@ def _select_blocks(tables, queries: torch.Tensor, n_tokens: int, alpha: float, b
     page_mass = torch.zeros(pages * block).index_add_(0, torch.arange(n_tokens), mass).view(pages, block).sum(1)
     keep = wicsum(page_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
     tokens = (torch.nonzero(keep).flatten().unsqueeze(1) * block + torch.arange(block)).flatten()
-    return tokens[tokens < n_tokens]
+    tokens = tokens[tokens < n_tokens]
+    for table in tables:
+        if isinstance(table, MosaicSession):      # clusters with tokens on kept pages are fetched
+            owner = table.index.owners(n_tokens)[tokens]
+            table.after_fetch(torch.unique(owner[owner >= 0]))
+    return tokens
 
 
 def _num_clusters(table) -> int:
-    return table.num_clusters if isinstance(table, Clusters) else len(table.clusters)
+    return table.num_clusters if isinstance(table, Clusters) else len(table.index.clusters)
 
 
 def _listen(address: str) -> socket.socket:

@@ -207,6 +207,63 @@ class MosaicIndex:
         return out
 
 
+@dataclass
+class MosaicSession:
+    """Mosaic over one head's growing history, every ``segment`` tokens a frame
+    (text segments standing in for video frames). Built once by k-means (frames
+    grouped by their mean key, keys clustered inside each group), then extended
+    online: a new frame joins the visual group nearest to its embedding, a new
+    token the nearest semantic cluster of that group or a new one. Splits marked
+    pending are applied when their cluster is fetched (``after_fetch``), since
+    its keys are at hand then; the session keeps the keys for that."""
+    index: MosaicIndex
+    keys: torch.Tensor              # [T, D] float32
+    segment: int
+    visual_sums: torch.Tensor       # [V, D] sums of member frames' unit embeddings
+    frame_visual: list[int]
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, segment: int, per_visual: int = 4) -> "MosaicSession":
+        keys = keys.float()
+        frame_of = torch.arange(keys.shape[0]) // segment
+        frames = int(frame_of[-1]) + 1 if len(frame_of) else 0
+        embeddings = torch.zeros(frames, keys.shape[1]).index_add_(0, frame_of, keys)
+        visual = cosine_kmeans(embeddings, max(1, round(math.sqrt(frames))))
+        unit = torch.nn.functional.normalize(embeddings, dim=-1)
+        sums = torch.zeros(int(visual.max()) + 1 if frames else 0, keys.shape[1]).index_add_(0, visual, unit)
+        return cls(MosaicIndex.build(keys, frame_of, visual, per_visual), keys, segment, sums, visual.tolist())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[0])
+
+    def extend(self, keys: torch.Tensor) -> None:
+        """Appends the next tokens' keys (online assignment; no re-clustering)."""
+        keys = keys.float()
+        start = self.num_tokens
+        self.keys = torch.cat([self.keys, keys])
+        frames = (torch.arange(start, self.num_tokens) // self.segment).tolist()
+        for i, f in enumerate(frames):
+            if f >= len(self.frame_visual):
+                self.frame_visual.append(self._visual_of(keys[[j for j, g in enumerate(frames) if g == f]].sum(0)))
+            self.index.assign(start + i, keys[i], self.frame_visual[f])
+
+    def _visual_of(self, embedding: torch.Tensor) -> int:
+        unit = torch.nn.functional.normalize(embedding, dim=-1)
+        if self.visual_sums.shape[0] == 0:
+            self.visual_sums = unit.unsqueeze(0)
+            return 0
+        v = int((torch.nn.functional.normalize(self.visual_sums, dim=-1) @ unit).argmax())
+        self.visual_sums[v] += unit
+        return v
+
+    def after_fetch(self, cluster_ids: torch.Tensor) -> None:
+        """Applies the pending splits of clusters just fetched."""
+        for cid in cluster_ids.tolist():
+            if self.index.clusters[cid].split_pending:
+                self.index.apply_split(cid, self.keys)
+
+
 def prefetch_hit_rate(index_next: MosaicIndex, queries_this: torch.Tensor, queries_next: torch.Tensor,
                       alpha: float) -> tuple[float, torch.Tensor]:
     """Cross-layer prefetch: clusters of layer l+1 predicted from layer l's queries;

@@ -26,7 +26,7 @@ import torch
 class Clusters:
     """One (layer, KV head)'s HC table: ``labels[t]`` is token t's cluster."""
     labels: torch.Tensor        # [T] int64
-    means: torch.Tensor         # [C, D] float32, the representative keys
+    sums: torch.Tensor          # [C, D] float32, key sums (the mean is the representative key)
     counts: torch.Tensor        # [C] int64
     codes: torch.Tensor         # [C] int64, each cluster's hash
 
@@ -34,11 +34,19 @@ class Clusters:
     def num_clusters(self) -> int:
         return int(self.counts.numel())
 
+    @property
+    def means(self) -> torch.Tensor:
+        return self.sums / self.counts.unsqueeze(1)
+
     def tokens(self, cluster_ids: torch.Tensor) -> torch.Tensor:
         """Sorted token ids of the given clusters (the HC table lookup)."""
         mask = torch.zeros(self.num_clusters, dtype=torch.bool)
-        mask[cluster_ids] = True
+        mask[cluster_ids.cpu()] = True
         return torch.nonzero(mask[self.labels], as_tuple=False).flatten()
+
+    def to(self, device: torch.device) -> "Clusters":
+        """Sums and counts on ``device`` (where scoring runs); labels and codes stay on the CPU."""
+        return Clusters(self.labels, self.sums.to(device), self.counts.to(device), self.codes)
 
 
 def hyperplanes(head_dim: int, bits: int, seed: int = 0) -> torch.Tensor:
@@ -67,6 +75,14 @@ def _popcount(x: torch.Tensor) -> torch.Tensor:
 
 def cluster_keys(keys: torch.Tensor, planes: torch.Tensor, hamming: int) -> Clusters:
     """Greedy Hamming clustering of one head's keys (tokens in order)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return extend_clusters(Clusters(empty, torch.empty(0, keys.shape[1]), empty, empty), keys, planes, hamming)
+
+
+def extend_clusters(cl: Clusters, keys: torch.Tensor, planes: torch.Tensor, hamming: int) -> Clusters:
+    """The HC table after appending ``keys`` (the tokens after ``cl``'s, in order):
+    the table clustering all tokens at once gives, without revisiting the old
+    tokens (a growing session pays only for its new ones)."""
     codes = hash_keys(keys, planes)
     uniq, inverse = torch.unique(codes, return_inverse=True)
     # tokens sharing a hash always share a cluster: assign unique hashes, in the
@@ -74,32 +90,37 @@ def cluster_keys(keys: torch.Tensor, planes: torch.Tensor, hamming: int) -> Clus
     first = torch.full((uniq.numel(),), keys.shape[0], dtype=torch.int64)
     first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), reduce="amin")
     order = torch.argsort(first)
-    if hamming == 0:              # every hash its own cluster, numbered by first appearance (no loop needed)
-        code_cluster = torch.empty(uniq.numel(), dtype=torch.int64)
-        code_cluster[order] = torch.arange(uniq.numel())
-        labels = code_cluster[inverse]
-        counts = torch.bincount(labels, minlength=uniq.numel())
-        sums = torch.zeros(uniq.numel(), keys.shape[1]).index_add_(0, labels, keys.float())
-        return Clusters(labels, sums / counts.unsqueeze(1), counts, uniq[order])
-    centers: list[int] = []
-    center_codes = torch.empty(0, dtype=torch.int64)
+    C = cl.num_clusters
     code_cluster = torch.empty(uniq.numel(), dtype=torch.int64)
-    for u in order.tolist():
-        code = uniq[u]
-        if centers and hamming > 0:
-            dist = _popcount(center_codes ^ code)
-            near = torch.nonzero(dist <= hamming, as_tuple=False)
-            if near.numel():
-                code_cluster[u] = int(near[0])
-                continue
-        code_cluster[u] = len(centers)
-        centers.append(int(code))
-        center_codes = torch.cat([center_codes, code.view(1)])
+    if hamming == 0:              # exact matches, then new clusters by first appearance (no loop needed)
+        found = torch.zeros(uniq.numel(), dtype=torch.bool)
+        if C:
+            known, perm = torch.sort(cl.codes)
+            pos = torch.searchsorted(known, uniq).clamp(max=C - 1)
+            found = known[pos] == uniq
+            code_cluster[found] = perm[pos[found]]
+        opened = order[~found[order]]
+        code_cluster[opened] = C + torch.arange(opened.numel())
+        center_codes = torch.cat([cl.codes, uniq[opened]])
+    else:
+        center_codes = cl.codes
+        for u in order.tolist():
+            code = uniq[u]
+            if center_codes.numel():
+                near = torch.nonzero(_popcount(center_codes ^ code) <= hamming, as_tuple=False)
+                if near.numel():
+                    code_cluster[u] = int(near[0])
+                    continue
+            code_cluster[u] = center_codes.numel()
+            center_codes = torch.cat([center_codes, code.view(1)])
     labels = code_cluster[inverse]
-    C = len(centers)
-    counts = torch.bincount(labels, minlength=C)
-    sums = torch.zeros(C, keys.shape[1]).index_add_(0, labels, keys.float())
-    return Clusters(labels, sums / counts.unsqueeze(1), counts, center_codes)
+    grown = center_codes.numel() - C
+    dev = cl.sums.device
+    counts = torch.cat([cl.counts, torch.zeros(grown, dtype=torch.int64, device=dev)])
+    counts += torch.bincount(labels, minlength=center_codes.numel()).to(dev)
+    sums = torch.cat([cl.sums, torch.zeros(grown, keys.shape[1], device=dev)])
+    sums.index_add_(0, labels.to(dev), keys.float().to(dev))
+    return Clusters(torch.cat([cl.labels, labels]), sums, counts, center_codes)
 
 
 def cluster_scores(queries: torch.Tensor, clusters: Clusters) -> torch.Tensor:

@@ -51,8 +51,8 @@ class Retriever:
         self._client: DREClient | None = None
         self._process: DREProcess | None = None
         self._started = self._restarting = False
-        # (layer, request's first block) -> handle of the table the DRE holds for it
-        self._tables: OrderedDict[tuple[int, int], str] = OrderedDict()
+        # (layer, request's first block) -> (handle of the table the DRE holds for it, its history blocks)
+        self._tables: OrderedDict[tuple[int, int], tuple[str, int]] = OrderedDict()
         self._prefetched: dict[tuple[int, int, str], Future] = {}     # (layer, owner, history) -> select
 
     # -- the DRE connection --------------------------------------------------------
@@ -102,39 +102,51 @@ class Retriever:
             return self.stats.take()
 
     # -- selection -------------------------------------------------------------------
-    def _request(self, client: DREClient, layer: int, owner: int, history_key: str,
-                 keys_of: Callable[[int], torch.Tensor], queries: torch.Tensor, block: int) -> Future:
-        """Cluster the layer's history (if the DRE does not hold it yet) and select."""
-        handle = f"{layer}:{history_key}"
-        if self._tables.get((layer, owner)) != handle:
-            old = self._tables.pop((layer, owner), None)
-            if old is not None:
-                client.submit("drop", handle=old)
-            while len(self._tables) >= MAX_TABLES:      # finished requests' tables
-                client.submit("drop", handle=self._tables.popitem(last=False)[1])
-            client.submit("cluster", handle=handle, keys=keys_of(layer).float(), method=self.cfg.retrieval)
-            self._tables[(layer, owner)] = handle
+    def _request(self, client: DREClient, layer: int, owner: int, name_of: Callable[[int], str], n_blocks: int,
+                 keys_of: Callable[[int, int], torch.Tensor], queries: torch.Tensor, block: int) -> Future:
+        """Bring the DRE's table of the layer's history up to date and select.
+        A history that grew by blocks at its end (a session going on) is
+        extended with the new blocks' keys; any other is clustered anew."""
+        handle = f"{layer}:{name_of(n_blocks)}"
+        held = self._tables.get((layer, owner))
+        if held is None or held[0] != handle:
+            if held is not None and held[1] < n_blocks and held[0] == f"{layer}:{name_of(held[1])}":
+                client.submit("extend", handle=handle, base=held[0], keys=keys_of(layer, held[1]).float())
+                self._tables.pop((layer, owner))
+                self.count("dre_tables", label="extended")
+            else:
+                if held is not None:
+                    client.submit("drop", handle=self._tables.pop((layer, owner))[0])
+                while len(self._tables) >= MAX_TABLES:      # finished requests' tables
+                    client.submit("drop", handle=self._tables.popitem(last=False)[1][0])
+                client.submit("cluster", handle=handle, keys=keys_of(layer, 0).float(), method=self.cfg.retrieval)
+                self.count("dre_tables", label="clustered")
+            self._tables[(layer, owner)] = (handle, n_blocks)
         return client.submit("select", handle=handle, queries=queries.float(), alpha=self.cfg.retrieval_alpha,
                              per_frame=True, block=block)
 
-    def selection(self, layer: int, owner: int, history_key: str, queries: torch.Tensor,
-                  keys_of: Callable[[int], torch.Tensor], block: int) -> torch.Tensor | None:
+    def selection(self, layer: int, owner: int, name_of: Callable[[int], str], n_blocks: int,
+                  queries: torch.Tensor, keys_of: Callable[[int, int], torch.Tensor],
+                  block: int) -> torch.Tensor | None:
         """Token ids (into the history) to attend to at ``layer``, or None: use full attention.
-        ``owner`` names the request (its first block), ``history_key`` its history blocks."""
+        ``owner`` names the request (its first block); ``name_of(n)`` names its first
+        n history blocks; ``keys_of(layer, first)`` are the layer's keys [heads, T, D]
+        of the history from block ``first`` on."""
         client = self.client()
         if client is None:
             self.count("retrieval_steps", label="dre_down")
             return None
+        history_key = name_of(n_blocks)
         try:
             fut = self._prefetched.pop((layer, owner, history_key), None) or \
-                self._request(client, layer, owner, history_key, keys_of, queries, block)
+                self._request(client, layer, owner, name_of, n_blocks, keys_of, queries, block)
             nxt = self.layers.get(layer + 1)
             if nxt is not None and nxt.key_mirror is not None:
                 # the next layer's selection, predicted from this layer's queries (cross-layer prefetch)
                 if len(self._prefetched) > MAX_TABLES:      # left by requests that ended mid-step
                     self._prefetched.clear()
                 self._prefetched[(layer + 1, owner, history_key)] = self._request(
-                    client, layer + 1, owner, history_key, keys_of, queries, block)
+                    client, layer + 1, owner, name_of, n_blocks, keys_of, queries, block)
             reply = fut.result(timeout=self.cfg.retrieval_deadline_ms / 1000)
         except FutureTimeout:
             self.count("retrieval_steps", label="dre_late")
@@ -142,6 +154,8 @@ class Retriever:
         except DREError as e:
             self.count("retrieval_steps", label="dre_down")
             logger.warning("kvreel: DRE selection failed (%s); full attention for this step", e)
+            with self._lock:
+                self._tables.pop((layer, owner), None)        # cluster it anew next step
             return None
         self.count("retrieval_steps", label="selected")
         return reply["tokens"]
