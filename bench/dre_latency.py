@@ -1,15 +1,18 @@
 """DRE prediction latency per layer vs cached tokens, and how much of it hides
 behind attention when asked a layer ahead (as the retrieval backend does).
 
-    python bench/dre_latency.py [--tokens 1024,2048,...,40960] [--frame 128]
+    python bench/dre_latency.py [--tokens 1024,2048,...,40960] [--frame 128] [--method resv|mosaic]
 
 The DRE runs as its own process (Unix socket + shared memory, as in serving).
 Keys: KV-head-shaped like tinycode-16m (2 KV heads, head_dim 64, 6 query heads),
 drawn around 64 centres per head (synthetic: latency does not depend on what
 the keys say, only on their count and clusters). Per cache size:
 
-* cluster: hashing + Hamming clustering of one layer's history (done once per
-  new history block, not per step);
+* cluster: clustering one layer's whole history (ReSV: hashing + Hamming
+  clustering; Mosaic: k-means), done when the DRE first sees a history;
+* extend: growing that table by one new history block (32 tokens), what a
+  running session pays per new block; baseline in the same run: clustering
+  the whole grown history anew;
 * select: WiCSum page selection for one layer and one step (``--frame`` query
   tokens x 3 query heads per KV head), alone;
 * hidden: the same select submitted before the layer's attention (float32
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--frame", type=int, default=128, help="query tokens per step (1: decoding)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--alpha", type=float, default=0.9)
+    ap.add_argument("--method", choices=("resv", "mosaic"), default="resv")
     a = ap.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
     proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock", bits=12, hamming=0)   # as the worker starts it
@@ -72,8 +76,13 @@ def main() -> None:
             def select():
                 return client.submit("select", handle=f"T{T}", queries=queries, alpha=a.alpha, per_frame=True,
                                      block=BLOCK)
+            client.submit("cluster", handle=f"T{T}-base", keys=keys[:, :T - BLOCK], method=a.method).result(600)
             t0 = time.perf_counter()
-            client.submit("cluster", handle=f"T{T}", keys=keys).result(120)
+            client.submit("extend", handle=f"T{T}-grown", base=f"T{T}-base", keys=keys[:, T - BLOCK:]).result(600)
+            extend_ms = (time.perf_counter() - t0) * 1000
+            client.submit("drop", handle=f"T{T}-grown")
+            t0 = time.perf_counter()
+            client.submit("cluster", handle=f"T{T}", keys=keys, method=a.method).result(600)
             cluster_ms = (time.perf_counter() - t0) * 1000
             select(), select().result(60)                       # warm
             alone, attn, hidden = [], [], []
@@ -91,7 +100,8 @@ def main() -> None:
                 fut.result(60)
                 hidden.append(time.perf_counter() - t1)
             sel = statistics.median(alone)
-            row = {"tokens": T, "cluster_ms": round(cluster_ms, 2), "select_ms": round(sel * 1000, 3),
+            row = {"tokens": T, "cluster_ms": round(cluster_ms, 2), "extend_ms": round(extend_ms, 2),
+                   "select_ms": round(sel * 1000, 3),
                    "attention_ms": round(statistics.median(attn) * 1000, 3),
                    "wait_after_attention_ms": round(statistics.median(hidden) * 1000, 3),
                    "hidden_fraction": round(max(0.0, 1 - statistics.median(hidden) / sel), 3),
@@ -102,17 +112,20 @@ def main() -> None:
     finally:
         client.close()
         proc.stop()
-    name = "dre_latency" if a.frame > 1 else "dre_latency_decode"
-    save(name, {"setting": {"kv_heads": H, "query_heads": H * G, "head_dim": D, "frame_tokens": a.frame,
+    name = ("dre_latency" if a.frame > 1 else "dre_latency_decode") + ("_mosaic" if a.method == "mosaic" else "")
+    save(name, {"setting": {"method": a.method, "kv_heads": H, "query_heads": H * G, "head_dim": D,
+                            "frame_tokens": a.frame,
                             "alpha": a.alpha, "page": BLOCK, "keys": "synthetic, 64 centres per head"},
                 "rows": rows})
     x = [r["tokens"] for r in rows]
     plot_lines(name, x, {"DRE select (one layer, one step)": [r["select_ms"] for r in rows],
-                         "DRE clustering (once per new history block)": [r["cluster_ms"] for r in rows],
+                         "DRE clustering the whole history (baseline)": [r["cluster_ms"] for r in rows],
+                         "DRE extending by one new block": [r["extend_ms"] for r in rows],
                          "attention of the layer (baseline)": [r["attention_ms"] for r in rows],
                          "wait left after attention (asked a layer ahead)": [r["wait_after_attention_ms"]
                                                                              for r in rows]},
-               "cached tokens", "ms", f"DRE latency per layer, frame of {a.frame} tokens, 2-core CPU", logy=True)
+               "cached tokens", "ms", f"DRE ({a.method}) latency per layer, frame of {a.frame} tokens, 2-core CPU",
+               logy=True)
 
 
 if __name__ == "__main__":

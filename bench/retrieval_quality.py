@@ -45,10 +45,10 @@ from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame
                                              wicsum)
 
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
-ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
+ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 0.999)
 REKV_RATIOS = RATIOS + (0.8, 0.9, 1.0)
 RESV_CONFIGS = ((12, 0), (14, 0), (16, 1), (16, 2))          # (bits, hamming radius)
-MOSAIC_CONFIGS = (16, 32)                            # semantic clusters per visual cluster
+MOSAIC_CONFIGS = (16, 64)                            # semantic clusters per visual cluster
 
 
 def evaluate(q, k, v, mask, cand, visible):

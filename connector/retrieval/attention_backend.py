@@ -9,7 +9,10 @@ the request's block-table row is rewritten to those blocks, in order, and vLLM's
 own kernel runs on it. Keys are post-RoPE, so dropping blocks moves no position;
 the step's tokens stay last, so causal masking is unchanged.
 
-Selections come from the DRE service (its own process): at layer l the
+Selections come from the DRE service (its own process), which holds a table of
+each layer's history: clustered when it first sees the history, extended with
+the new blocks as a session grows (the retriever names a history by its blocks,
+so it can tell a grown one from another). At layer l the
 connector asks for layer l's selection with layer l's queries (unless layer l-1
 already asked with its queries: the cross-layer prefetch) and for layer l+1's
 with the same queries, so the DRE works while attention runs. Attention waits

@@ -223,7 +223,7 @@ class MosaicSession:
     frame_visual: list[int]
 
     @classmethod
-    def build(cls, keys: torch.Tensor, segment: int, per_visual: int = 4) -> "MosaicSession":
+    def build(cls, keys: torch.Tensor, segment: int, per_visual: int = 16) -> "MosaicSession":
         keys = keys.float()
         frame_of = torch.arange(keys.shape[0]) // segment
         frames = int(frame_of[-1]) + 1 if len(frame_of) else 0
