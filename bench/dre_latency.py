@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--method", choices=("resv", "mosaic"), default="resv")
     a = ap.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
-    proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock", bits=12, hamming=0)   # as the worker starts it
+    proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock")   # as the worker starts it
     client = proc.start()
     rows = []
     try:

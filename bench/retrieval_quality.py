@@ -20,9 +20,11 @@ the segment's mean key; whole segments fetched, fixed top-k), frame top-k with
 oracle frame scores (ReKV's best case at token granularity: a bound), per-row
 top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
 per-row WiCSum on oracle mass (a bound, not a method), ReSV: hash-bit clusters
-of post-RoPE keys, WiCSum on *predicted* mass (cluster size x exp(q . mean
+of post-RoPE keys (centred on their mean, as served, or not), WiCSum on *predicted* mass (cluster size x exp(q . mean
 key)) per row or once per frame (on the rows' mean predicted distribution),
-whole clusters fetched, and Mosaic (nested visual/semantic clusters, two-stage
+whole clusters fetched; ReSV as the retrieval backend serves it (the DRE's
+clustering, WiCSum over 32-token cache pages by their tokens' predicted mass),
+and Mosaic (nested visual/semantic clusters, two-stage
 WiCSum per frame, text segments standing in for frames).
 """
 
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
+from kvreel.connector.retrieval.dre_service import DREService, _select_blocks  # noqa: E402
 from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate  # noqa: E402
 from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
                                              wicsum)
@@ -47,7 +50,9 @@ from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 0.999)
 REKV_RATIOS = RATIOS + (0.8, 0.9, 1.0)
-RESV_CONFIGS = ((12, 0), (14, 0), (16, 1), (16, 2))          # (bits, hamming radius)
+# (bits, hamming radius, keys centred before hashing: the serving default)
+RESV_CONFIGS = ((12, 0, False), (14, 0, False), (12, 0, True), (14, 0, True), (16, 0, True), (16, 1, True))
+SERVED_PAGE = 32                                     # vLLM cache block
 MOSAIC_CONFIGS = (16, 64)                            # semantic clusters per visual cluster
 
 
@@ -116,16 +121,24 @@ def methods(q, k, v, always, cand, visual, segment: int, page: int = 16):
         m = torch.zeros(R, N, dtype=torch.bool)
         m[:, idx] = keep
         yield "row WiCSum, oracle mass (bound)", a, with_always(m)
-    for bits, ham in RESV_CONFIGS:
-        cl = cluster_keys(k[idx], hyperplanes(d, bits, seed=1), ham)
+    for bits, ham, centred in RESV_CONFIGS:
+        cl = cluster_keys(k[idx], hyperplanes(d, bits, seed=1), ham, None if centred else torch.zeros(d))
         s = cluster_scores(q, cl)
+        name = f"ReSV {bits}b/h{ham}{'' if centred else ' uncentred'}"
         for a in ALPHAS:
-            m = torch.zeros(R, N, dtype=torch.bool)
-            m[:, idx] = wicsum(s, a)[:, cl.labels]                       # each row its own clusters
-            yield f"ReSV {bits}b/h{ham} per row", a, with_always(m)
+            if (bits, ham, centred) == RESV_CONFIGS[0]:
+                m = torch.zeros(R, N, dtype=torch.bool)
+                m[:, idx] = wicsum(s, a)[:, cl.labels]                   # each row its own clusters
+                yield f"{name} per row", a, with_always(m)
             m = torch.zeros(R, N, dtype=torch.bool)
             m[:, idx] = wicsum(frame_scores(s), a)[0, cl.labels]         # one fetch per frame
-            yield f"ReSV {bits}b/h{ham} per frame", a, with_always(m)
+            yield f"{name} per frame", a, with_always(m)
+    served = DREService()       # what the serving path does: its clustering, WiCSum over cache pages
+    cl = cluster_keys(k[idx], served._planes_for(k), served.hamming)
+    for a in ALPHAS:
+        m = torch.zeros(R, N, dtype=torch.bool)
+        m[:, idx[_select_blocks([cl], q.unsqueeze(0), idx.numel(), a, SERVED_PAGE)]] = True
+        yield f"ReSV {served.bits}b/h{served.hamming} pages of {SERVED_PAGE} (as served)", a, with_always(m)
     frame_of, visual_labels = visual
     for per_visual in MOSAIC_CONFIGS:
         index = MosaicIndex.build(k[idx], frame_of[idx], visual_labels, per_visual)

@@ -29,8 +29,8 @@ def dre(tmp_path):
     proc.stop()
 
 
-def expected(keys, queries, alpha, per_frame):
-    cl = cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1)
+def expected(keys, queries, alpha, per_frame, center=None):
+    cl = cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center)
     s = cluster_scores(queries, cl)
     mask = wicsum(frame_scores(s) if per_frame else s, alpha)
     return cl, mask, cl.tokens(torch.nonzero(mask.any(0)).flatten())
@@ -188,7 +188,7 @@ def test_extended_tables_answer_as_tables_of_the_whole_history(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
     keys, queries = data(T=608)
-    _, mask, tokens = expected(keys, queries, 0.9, True)
+    _, mask, tokens = expected(keys, queries, 0.9, True, center=keys[:320].mean(0))    # centred as first seen
     client.submit("cluster", handle="r0", keys=keys[:320])
     for i, start in enumerate(range(320, 608, 32)):          # a session growing block by block
         client.submit("extend", handle=f"r{i + 1}", base=f"r{i}", keys=keys[start:start + 32])

@@ -26,7 +26,8 @@ def test_clusters_partition_tokens_and_respect_the_hamming_radius(hamming):
     k, planes = keys(), hyperplanes(64, 12)
     cl = cluster_keys(k, planes, hamming)
     assert int(cl.counts.sum()) == k.shape[0] and bool((cl.counts > 0).all())
-    codes = hash_keys(k, planes)
+    assert torch.allclose(cl.center, k.mean(0))
+    codes = hash_keys(k - k.mean(0), planes)          # hashed centred
     for c in range(cl.num_clusters):
         members = (cl.labels == c)
         assert torch.allclose(cl.means[c], k[members].mean(0), atol=1e-5)
@@ -44,8 +45,8 @@ def test_clusters_partition_tokens_and_respect_the_hamming_radius(hamming):
 @pytest.mark.parametrize("hamming", [0, 1, 2])
 def test_a_table_extended_block_by_block_is_the_table_of_all_tokens(hamming):
     k, planes = torch.cat([keys(T=300), keys(T=400, seed=1)]), hyperplanes(64, 12)     # later tokens: new topics
-    whole = cluster_keys(k, planes, hamming)
-    grown = cluster_keys(k[:300], planes, hamming)
+    grown = cluster_keys(k[:300], planes, hamming)       # centred on the first tokens, kept as it grows
+    whole = cluster_keys(k, planes, hamming, center=k[:300].mean(0))
     for start in range(300, 700, 32):
         grown = extend_clusters(grown, k[start:start + 32], planes, hamming)
     assert whole.num_clusters > cluster_keys(k[:300], planes, hamming).num_clusters     # new clusters opened

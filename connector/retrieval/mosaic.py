@@ -2,9 +2,10 @@
 
 * Visual level: frames (or text segments standing in for them) are grouped by
   cosine k-means over frame embeddings.
-* Semantic level, per layer and KV head: inside each visual cluster the keys
-  are grouped by cosine k-means; every semantic cluster keeps its centroid, size
-  and running distance statistics (the centroid index).
+* Semantic level, per layer and KV head: inside each visual cluster the keys,
+  centred on the history's mean key (a head's keys share a large offset that
+  would swamp cosines), are grouped by cosine k-means; every semantic cluster
+  keeps its centroid, size and running distance statistics (the centroid index).
 * Retrieval is two-stage: visual clusters are scored by their mean key, the
   semantic clusters of the best ones are scored by their centroids, and WiCSum
   keeps clusters until ``alpha`` of the predicted mass; the strongest cluster
@@ -91,16 +92,17 @@ class MosaicIndex:
     clusters: list[SemanticCluster] = field(default_factory=list)
     base_k: float = 3.0
     split_std: float = 0.5
+    center: torch.Tensor | float = 0.0      # subtracted from keys before k-means (the history's mean key)
 
     @classmethod
     def build(cls, keys: torch.Tensor, frame_of: torch.Tensor, visual_labels: torch.Tensor,
               per_visual: int, seed: int = 0) -> "MosaicIndex":
         """``frame_of[t]``: frame of token t; ``visual_labels[f]``: visual cluster of frame f."""
-        index = cls()
+        index = cls(center=keys.float().mean(0))
         vis_of_token = visual_labels[frame_of]
         for v in torch.unique(vis_of_token).tolist():
             toks = torch.nonzero(vis_of_token == v).flatten()
-            sub = cosine_kmeans(keys[toks], per_visual, seed=seed)
+            sub = cosine_kmeans(keys[toks].float() - index.center, per_visual, seed=seed)
             for j in torch.unique(sub).tolist():
                 members = toks[sub == j]
                 c = SemanticCluster(v, [], torch.zeros(keys.shape[1]))
@@ -134,7 +136,7 @@ class MosaicIndex:
         if not c.split_pending or c.count < 4:
             return [cid]
         toks = torch.tensor(c.tokens)
-        labels = cosine_kmeans(keys[toks], 2)
+        labels = cosine_kmeans(keys[toks].float() - self.center, 2)
         parts = []
         for j in (0, 1):
             members = toks[labels == j].tolist()
