@@ -246,11 +246,14 @@ def _plot(summary, out_name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, pts in summary.items():
-        pts = sorted(pts, key=lambda p: p["fetched"])
-        axes[0].plot([p["fetched"] for p in pts], [p["error"] * 100 for p in pts], marker=".", label=name)
-        axes[1].plot([p["fetched"] for p in pts], [p["recall"] for p in pts], marker=".", label=name)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, pts) in enumerate(summary.items()):
+        pts = sorted((p for p in pts if p["error"] > 0), key=lambda p: p["fetched"])     # log axis
+        style = {"marker": ".", "label": name, "color": colors[i % len(colors)],
+                 "ls": "--" if "bound" in name else "-"}
+        axes[0].plot([p["fetched"] for p in pts], [p["error"] * 100 for p in pts], **style)
+        axes[1].plot([p["fetched"] for p in pts], [p["recall"] for p in pts], **style)
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
     axes[0].set_yscale("log")
     axes[0].set_ylabel("attention output error (%)")
