@@ -191,6 +191,7 @@ def main():
                          "so eviction is what sends reuse through kvreel)")
     ap.add_argument("--long-prompts", type=int, default=4, help="long sessions served with retrieval attention")
     ap.add_argument("--no-faults", action="store_true", help="load only")
+    ap.add_argument("--name", help="results name (default: soak, or soak_control)")
     ap.add_argument("--control", action="store_true",
                     help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
     a = ap.parse_args()
@@ -333,13 +334,14 @@ def main():
                               for r in ok if r["wrong"]][:20],
            "memory": samples}
     out["control"] = a.control
-    path = save("soak_control" if a.control else "soak", out)
-    _plot(results, samples, events, "soak_control" if a.control else "soak")
+    name = a.name or ("soak_control" if a.control else "soak")
+    path = save(name, out)
+    _plot(results, samples, events, name)
     print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics")}, indent=1))
     print("wrote", path)
     keep = Path(__file__).parent / "data"
     keep.mkdir(exist_ok=True)
-    shutil.copy(work / "kvreel.log", keep / ("soak_control.log" if a.control else "soak_server.log"))
+    shutil.copy(work / "kvreel.log", keep / f"{name}_server.log")
     shutil.rmtree(work, ignore_errors=True)
 
 
