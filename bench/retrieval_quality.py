@@ -20,12 +20,12 @@ the segment's mean key; whole segments fetched, fixed top-k), frame top-k with
 oracle frame scores (ReKV's best case at token granularity: a bound), per-row
 top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
 per-row WiCSum on oracle mass (a bound, not a method), ReSV: hash-bit clusters
-of post-RoPE keys (centred on their mean, as served, or not), WiCSum on *predicted* mass (cluster size x exp(q . mean
-key)) per row or once per frame (on the rows' mean predicted distribution),
-whole clusters fetched; ReSV as the retrieval backend serves it (the DRE's
-clustering, WiCSum over 32-token cache pages by their tokens' predicted mass),
-and Mosaic (nested visual/semantic clusters, two-stage
-WiCSum per frame, text segments standing in for frames).
+of post-RoPE keys (centred on their mean, as served, or not), WiCSum on
+*predicted* mass (cluster size x exp(q . mean key)) per row or once per frame
+(on the rows' mean predicted distribution), whole clusters fetched; ReSV as the
+retrieval backend serves it (the DRE's clustering, WiCSum over 32-token cache
+pages by their tokens' predicted mass), and Mosaic (nested visual/semantic
+clusters, two-stage WiCSum per frame, text segments standing in for frames).
 """
 
 from __future__ import annotations
