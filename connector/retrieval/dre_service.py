@@ -280,18 +280,22 @@ def _head_keys(msg: dict) -> torch.Tensor:
     return keys
 
 
-def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """[n_tokens]: the frame's predicted attention mass of each token (its
+def _owners(table, n_tokens: int) -> torch.Tensor:
+    """[n_tokens]: each token's cluster (-1: in none; an HC table's labels cover every token)."""
+    return table.labels if isinstance(table, Clusters) else table.index.owners(n_tokens)
+
+
+def _token_mass(table, queries: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Per token of ``owner``: the frame's predicted attention mass (its
     cluster's mass, shared evenly by the cluster's tokens)."""
     if isinstance(table, Clusters):
         mass = torch.softmax(frame_scores(cluster_scores(queries, table)), dim=-1)[0].cpu()
-        return mass[table.labels] / table.counts.cpu()[table.labels].float()
-    index = table.index
-    mass = torch.softmax(index.scores(queries.cpu()), dim=-1).mean(0)
-    counts = torch.tensor([c.count for c in index.clusters], dtype=torch.float32)
-    owner = index.owners(n_tokens)
+        counts = table.counts.cpu().float()
+    else:
+        mass = torch.softmax(table.index.scores(queries.cpu()), dim=-1).mean(0)
+        counts = torch.tensor([c.count for c in table.index.clusters], dtype=torch.float32)
     valid = owner >= 0
-    out = torch.zeros(n_tokens)
+    out = torch.zeros(len(owner))
     out[valid] = mass[owner[valid]] / counts[owner[valid]]
     return out
 
@@ -299,16 +303,17 @@ def _token_mass(table, queries: torch.Tensor, n_tokens: int) -> torch.Tensor:
 def _select_blocks(tables, queries: torch.Tensor, n_tokens: int, alpha: float, block: int) -> torch.Tensor:
     """Token ids of the ``block``-token pages kept by WiCSum over the pages'
     predicted mass (summed over heads): what a paged cache can attend to."""
-    mass = sum(_token_mass(t, q, n_tokens) for t, q in zip(tables, queries))
+    owners = [_owners(t, n_tokens) for t in tables]
+    mass = sum(_token_mass(t, q, o) for t, q, o in zip(tables, queries, owners))
     pages = -(-n_tokens // block)
     page_mass = torch.zeros(pages * block).index_add_(0, torch.arange(n_tokens), mass).view(pages, block).sum(1)
     keep = wicsum(page_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
     tokens = (torch.nonzero(keep).flatten().unsqueeze(1) * block + torch.arange(block)).flatten()
     tokens = tokens[tokens < n_tokens]
-    for table in tables:
+    for table, owner in zip(tables, owners):
         if isinstance(table, MosaicSession):      # clusters with tokens on kept pages are fetched
-            owner = table.index.owners(n_tokens)[tokens]
-            table.after_fetch(torch.unique(owner[owner >= 0]))
+            fetched = owner[tokens]
+            table.after_fetch(torch.unique(fetched[fetched >= 0]))
     return tokens
 
 

@@ -244,10 +244,10 @@ class MosaicSession:
         keys = keys.float()
         start = self.num_tokens
         self.keys = torch.cat([self.keys, keys])
-        frames = (torch.arange(start, self.num_tokens) // self.segment).tolist()
-        for i, f in enumerate(frames):
+        frames = torch.arange(start, self.num_tokens) // self.segment
+        for i, f in enumerate(frames.tolist()):
             if f >= len(self.frame_visual):
-                self.frame_visual.append(self._visual_of(keys[[j for j, g in enumerate(frames) if g == f]].sum(0)))
+                self.frame_visual.append(self._visual_of(keys[frames == f].sum(0)))
             self.index.assign(start + i, keys[i], self.frame_visual[f])
 
     def _visual_of(self, embedding: torch.Tensor) -> int:
