@@ -56,10 +56,10 @@ def dequant_error(kv, bits):
 
 def video_bytes(samples: torch.Tensor, layout: str, tiling, resolution: int, preset: str) -> int:
     from kvreel.codec import layout as lay, video_cpu
-    from kvreel.codec.chunk import _frames
+    from kvreel.codec.chunk import frames_of
     L, _, B, T, H, D = samples.shape
     geo = lay.geometry(layout, resolution, T, H, D, tiling)
-    frames, _ = _frames(samples, geo, tiling, L, B)
+    frames, _ = frames_of(samples, geo, tiling, L, B)
     return len(video_cpu.encode_frames_verified(frames, geo.width, geo.height, preset=preset))
 
 

@@ -162,7 +162,7 @@ def main():
     parts = set(a.parts.split(","))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
-    from kvreel.scheduler.shaper import Shaper
+    from shaper import Shaper
     tok = AutoTokenizer.from_pretrained(a.model)
     corpus = tok(python_source_corpus(900_000))["input_ids"]
     prompts = [corpus[i * a.tokens:(i + 1) * a.tokens] for i in range(a.repeats)]

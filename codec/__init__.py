@@ -5,6 +5,6 @@
 """
 
 from kvreel.codec.chunk import decode_chunk, encode_chunk, read_header
-from kvreel.codec.container import ChunkError
+from kvreel.codec.formats import ChunkError, ChunkUnavailable
 
-__all__ = ["encode_chunk", "decode_chunk", "read_header", "ChunkError"]
+__all__ = ["encode_chunk", "decode_chunk", "read_header", "ChunkError", "ChunkUnavailable"]

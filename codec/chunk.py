@@ -10,7 +10,8 @@ import torch
 
 from kvreel.codec import layout as lay
 from kvreel.codec import video_cpu
-from kvreel.codec.container import ChunkError, ChunkHeader, Section, Stream, pack, section_bytes, unpack_header
+from kvreel.codec.container import ChunkHeader, Section, Stream, pack, section_bytes, unpack_header
+from kvreel.codec.formats import ChunkError
 from kvreel.codec.layout_search import best_tiling
 from kvreel.codec.quant import DTYPES, QUANTS, byte_planes, restore_tokens, to_samples
 
@@ -67,7 +68,7 @@ def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
     streams = []
     for res in resolutions:
         geo = lay.geometry("naive" if tiling is None else "tiled", res, T, H, D, tiling)
-        frames, sums = _frames(samples, geo, tiling, L, B)
+        frames, sums = frames_of(samples, geo, tiling, L, B)
         bitstream = video_cpu.encode_frames_verified(frames, geo.width, geo.height, preset=preset,
                                                      use_nvenc=use_nvenc)
         streams.append(Stream(res, geo.__dict__, Section(offset, len(bitstream), zlib.crc32(bitstream)), sums))
@@ -78,7 +79,7 @@ def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
     return pack(header, sections)
 
 
-def _frames(samples: torch.Tensor, geo: lay.FrameGeometry, tiling, L: int, B: int):
+def frames_of(samples: torch.Tensor, geo: lay.FrameGeometry, tiling, L: int, B: int):
     """All frames of a resolution in stream order, and their checksums."""
     frames, sums = [], []
     for g, kv, b in _streams(L, B):

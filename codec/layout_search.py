@@ -7,8 +7,6 @@ the only criterion) and the smallest wins. Results are cached in memory and in
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import torch
 
 from kvreel.codec import layout as lay
 from kvreel.codec import video_cpu
+from kvreel.codec.cache import cache_file, read_json, write_json
 
 SAMPLE_TOKENS = 256
 _memo: dict[str, dict] = {}
@@ -23,8 +22,7 @@ _lock = threading.Lock()
 
 
 def cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "kvreel" / "layouts.json"
+    return cache_file("layouts.json")
 
 
 def _key(samples: torch.Tensor) -> str:
@@ -61,10 +59,7 @@ def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast", *,
     key = _key(samples)
     with _lock:
         if key not in _memo:
-            try:
-                _memo.update(json.loads(cache_path().read_text()))
-            except (OSError, ValueError):
-                pass
+            _memo.update(read_json(cache_path()))
         hit = None if refresh else _memo.get(key)
     if hit is not None:
         return lay.Tiling(**hit)
@@ -72,11 +67,7 @@ def best_tiling(samples: torch.Tensor, resolution: int, preset: str = "fast", *,
     with _lock:
         _memo[key] = best.as_dict()
         try:
-            path = cache_path()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(_memo, indent=1))
-            os.replace(tmp, path)
+            write_json(cache_path(), _memo)
         except OSError:
             pass   # an unwritable cache only costs a re-search
     return best

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-logger = logging.getLogger("kvreel.codec")
+logger = logging.getLogger(__name__)
 
 
 _PROBE = """

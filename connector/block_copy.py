@@ -136,38 +136,3 @@ def layout_of(kv_cache_config) -> tuple[int, int]:
     if len(sizes) != 1:
         raise RuntimeError(f"kvreel: layers with different page sizes ({sorted(sizes)}) are not supported")
     return regions, sizes.pop()
-
-
-class KVView:
-    """The codec's ``[regions, 2, tokens, kv_heads, head_dim]`` view of a chunk
-    payload ``[regions, blocks, block_bytes]`` (and back), so the video form can
-    lay K and V out by head and channel.
-
-    A page holding ``kv_heads x block_size x (K, V) x head_dim`` elements (vLLM's
-    CPU layout) is viewed as such; other packings as two halves of 16-bit
-    samples per block. Either way the round trip is byte-exact; only compression
-    (and, for int8, which values share a scale) depends on the view."""
-
-    def __init__(self, block_bytes: int, spec) -> None:
-        H, D, bs = spec.num_kv_heads, spec.head_size, spec.block_size
-        itemsize = torch.empty(0, dtype=spec.dtype).element_size()
-        if block_bytes == H * bs * 2 * D * itemsize:
-            self.dtype, self.page = spec.dtype, (H, bs, 2, D)
-        elif block_bytes % 4 == 0:
-            self.dtype, self.page = torch.float16, (1, 1, 2, block_bytes // 4)
-        else:
-            raise ValueError(f"a {block_bytes}-byte page has no 16-bit K/V view")
-        self.block_bytes = block_bytes
-
-    def to_kv(self, payload: torch.Tensor) -> torch.Tensor:
-        R, n, _ = payload.shape
-        H, bs, two, D = self.page
-        kv = payload.contiguous().view(self.dtype).view(R, n, H, bs, two, D)
-        return kv.permute(0, 4, 1, 3, 2, 5).reshape(R, 2, n * bs, H, D)
-
-    def to_payload(self, kv: torch.Tensor) -> torch.Tensor:
-        R = kv.shape[0]
-        H, bs, two, D = self.page
-        n = kv.shape[2] // bs
-        pages = kv.reshape(R, 2, n, bs, H, D).permute(0, 2, 4, 3, 1, 5)
-        return pages.contiguous().view(torch.uint8).view(R, n, self.block_bytes)

@@ -25,11 +25,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvreel.codec.quant import QUANTS
+
 CONNECTOR_JSON = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                              "kv_role": "kv_both"})
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for servers kvreel starts on loopback)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,7 +69,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def cmd_demo(args) -> int:
     from kvreel.connector.tiny_model import build_tiny_llama
     model = build_tiny_llama(args.model_dir, num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     env.setdefault("KVREEL_CPU_BYTES", "1GiB")
     scratch = tempfile.TemporaryDirectory(prefix="kvreel-demo-disk-")   # a cold disk tier every run
@@ -131,13 +134,13 @@ def cmd_settings(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from kvreel.codec.container import ChunkError, unpack_header
-    from kvreel.connector.disk_tier import ChunkFileError, read_header
+    from kvreel.codec.container import unpack_header
+    from kvreel.codec.formats import VIDEO, ChunkError, read_chunk_header
     try:
         with open(args.chunk, "rb") as f:
             magic = f.read(4)
             f.seek(0)
-            if magic == b"KVRC":
+            if magic == VIDEO.magic:
                 header, _ = unpack_header(f.read())
                 print(json.dumps({"container": "codec", "shape[L,T,H,D]": header.shape, "dtype": header.dtype,
                                   "quant": header.quant, "layout": header.layout, "tiling": header.tiling,
@@ -148,8 +151,8 @@ def cmd_inspect(args) -> int:
                                                    "frame": [s.geometry["width"], s.geometry["height"]]}
                                                   for s in header.streams]}, indent=2))
                 return 0
-            header = read_header(f, None)
-    except (ChunkFileError, ChunkError, OSError) as e:
+            header = read_chunk_header(f, None)
+    except (ChunkError, OSError) as e:
         print(f"{args.chunk}: {e}", file=sys.stderr)
         return 1
     print(json.dumps({"container": "chunk file", "identity": header.identity, "blocks": len(header.block_hashes),
@@ -207,12 +210,12 @@ def cmd_doctor(args) -> int:
         else:
             rows.append(("disk tier", "off (KVREEL_DISK_DIR unset)"))
         if cfg.remote_url:
-            from kvreel.connector.remote_store import RemoteError, _safe, open_store
+            from kvreel.connector.tiers.store import RemoteError, open_store, redact_url
             try:
                 store = open_store(cfg.remote_url, timeout_s=cfg.remote_timeout_s)
                 store.exists(["kvreel/doctor/probe"])
                 store.close()
-                rows.append(("remote tier", f"{_safe(cfg.remote_url)} reachable"))
+                rows.append(("remote tier", f"{redact_url(cfg.remote_url)} reachable"))
             except (RemoteError, ValueError) as e:
                 rows.append(("remote tier", f"UNREACHABLE: {e}"))
         else:
@@ -336,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", help="a text file to run the model on (default: Python source)")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--resolution", type=int, default=256)
-    p.add_argument("--quant", choices=("none", "int8"), default="none")
+    p.add_argument("--quant", choices=QUANTS, default="none")
     p.set_defaults(fn=cmd_layout_search)
     p = sub.add_parser("bench", help="run a benchmark of a source checkout (no name: list them)")
     p.add_argument("name", nargs="?")

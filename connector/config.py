@@ -12,8 +12,12 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
 from typing import Any, Callable, Mapping
+
+from kvreel.codec.formats import FORM_KINDS, RAW, VIDEO_FORM, ZSTD, form_kind, form_resolution
+from kvreel.codec.layout import NVDEC_MIN_SIDE
+from kvreel.codec.quant import QUANTS
 
 PREFIX = "KVREEL_"
 
@@ -87,27 +91,28 @@ def _hex_secret(text: str) -> str | None:
     return text
 
 
-REMOTE_FORMS = ("raw", "zstd", "video")
-
-
 def _forms(text: str) -> tuple[str, ...]:
     forms = tuple(dict.fromkeys(f.strip() for f in text.split(",") if f.strip()))
-    if "raw" not in forms or any(f not in REMOTE_FORMS for f in forms):
+    if RAW not in forms or any(f not in FORM_KINDS for f in forms):
         raise ValueError(text)
     return forms
 
 
 def _resolutions(text: str) -> tuple[int, ...]:
     out = tuple(sorted({int(r) for r in text.split(",") if r.strip()}))
-    if not out or any(not 144 <= r <= 4096 for r in out):
+    if not out or any(not NVDEC_MIN_SIDE <= r <= 4096 for r in out):
         raise ValueError(text)
     return out
 
 
 def _fetch_form(text: str) -> str:
-    if text != "auto" and text not in ("raw", "zstd") and not re.fullmatch(r"video@\d+", text):
+    if text != "auto" and text not in (RAW, ZSTD) and not re.fullmatch(rf"{VIDEO_FORM}@\d+", text):
         raise ValueError(text)
     return text
+
+
+def _one_of(*choices: str) -> Callable[[Any], bool]:
+    return lambda v: v in choices
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -128,14 +133,14 @@ SETTINGS: tuple[Setting, ...] = (
             lambda v: 0 < v <= 60),
     _int_setting("REMOTE_WRITE_QUEUE", 64, "Chunks waiting for the background remote uploader before new "
                  "uploads are dropped (never blocking the forward pass).", 1, 1 << 16),
-    Setting("REMOTE_FORMS", _forms, ("raw", "zstd"), "a comma list of raw, zstd, video that includes raw",
+    Setting("REMOTE_FORMS", _forms, (RAW, ZSTD), f"a comma list of {', '.join(FORM_KINDS)} that includes raw",
             "Forms each remote chunk is stored in; a fetch picks one per chunk. raw is the exact fallback; "
             "video (lossless HEVC, decoded on NVDEC) pays off where the link is slower than the decoders; "
             "its encode costs CPU time in the uploader unless NVENC is present."),
-    Setting("REMOTE_QUANT", str, "none", "none or int8",
+    Setting("REMOTE_QUANT", str, "none", " or ".join(QUANTS),
             "Quantizer of the video form: none is exact, int8 is smaller and lossy (per-channel min-max).",
-            lambda v: v in ("none", "int8")),
-    Setting("REMOTE_RESOLUTIONS", _resolutions, (256, 512), "a comma list of frame sides in [144, 4096]",
+            _one_of(*QUANTS)),
+    Setting("REMOTE_RESOLUTIONS", _resolutions, (256, 512), f"a comma list of frame sides in [{NVDEC_MIN_SIDE}, 4096]",
             "Resolutions the video form is stored at (one bitstream each); the fetcher picks per chunk."),
     Setting("FETCH_FORM", _fetch_form, "auto", "auto, raw, zstd or video@<resolution>",
             "auto: per chunk, the stored form with the least transfer/decode time at the measured bandwidth "
@@ -143,17 +148,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("FETCH_POLICY", str, "fair", "fair or fcfs",
             "How concurrent remote fetches share the link: fair (the request with the fewest chunks in flight "
             "goes next; a lone fetch gets every stream) or fcfs (oldest request first).",
-            lambda v: v in ("fair", "fcfs")),
+            _one_of("fair", "fcfs")),
     Setting("FETCH_MODE", str, "async", "async or blocking",
             "async: a request whose prefix is on disk or remote waits in WAITING_FOR_REMOTE_KVS while others "
             "run; blocking loads inside the forward pass and stalls the batch (a baseline for benchmarks).",
-            lambda v: v in ("async", "blocking")),
+            _one_of("async", "blocking")),
     _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once; as many decoders (NVDEC sessions or "
                  "CPU decode threads) decode behind them.", 1, 64),
     Setting("RETRIEVAL", str, "off", "off, resv or mosaic",
             "Retrieval attention for long sequences: off (vLLM's attention, untouched), resv (hash-bit key "
             "clusters, V-Rex) or mosaic (visual -> semantic clusters). Registered by kvreel's vLLM plugin.",
-            lambda v: v in ("off", "resv", "mosaic")),
+            _one_of("off", "resv", "mosaic")),
     Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
             "WiCSum ratio: clusters are kept until this share of the predicted attention mass; 1 keeps everything "
             "(outputs identical to vLLM's).", lambda v: 0 < v <= 1),
@@ -171,30 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
 
-@dataclass(frozen=True)
-class KVReelConfig:
-    cpu_bytes: int
-    disk_dir: str | None
-    disk_bytes: int
-    chunk_tokens: int
-    disk_write_queue: int
-    remote_url: str | None
-    remote_timeout_s: float
-    remote_write_queue: int
-    remote_forms: tuple[str, ...]
-    remote_quant: str
-    remote_resolutions: tuple[int, ...]
-    fetch_form: str
-    fetch_policy: str
-    fetch_mode: str
-    fetch_streams: int
-    retrieval: str
-    retrieval_alpha: float
-    retrieval_min_tokens: int
-    retrieval_window: int
-    retrieval_deadline_ms: float
-    dre_address: str | None
-    dre_secret_hex: str | None
+class _Loading:
+    """How settings are read and checked; ``KVReelConfig`` adds one field per
+    entry of ``SETTINGS`` (the setting's name in lower case)."""
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None,
@@ -223,22 +207,27 @@ class KVReelConfig:
             if not ok:
                 raise ConfigError(f"{source}={text!r} is invalid: expected {setting.accepts}")
             values[setting.name.lower()] = value
-        assert {f.name for f in fields(cls)} == set(values)
         cfg = cls(**values)
         cfg._check_combination()
         return cfg
 
     def _check_combination(self) -> None:
-        if self.remote_quant != "none" and "video" not in self.remote_forms:
+        if self.remote_quant != "none" and VIDEO_FORM not in self.remote_forms:
             raise ConfigError(f"{PREFIX}REMOTE_QUANT={self.remote_quant!r} quantizes the video form: "
                               f"add video to {PREFIX}REMOTE_FORMS")
-        form = self.fetch_form.split("@")[0]
+        form = form_kind(self.fetch_form)
         if self.fetch_form != "auto" and form not in self.remote_forms:
             raise ConfigError(f"{PREFIX}FETCH_FORM={self.fetch_form!r} is not a stored form "
                               f"({PREFIX}REMOTE_FORMS={','.join(self.remote_forms)})")
-        if form == "video" and int(self.fetch_form.split("@")[1]) not in self.remote_resolutions:
+        if form == VIDEO_FORM and form_resolution(self.fetch_form) not in self.remote_resolutions:
             raise ConfigError(f"{PREFIX}FETCH_FORM={self.fetch_form!r} is not a stored resolution "
                               f"({PREFIX}REMOTE_RESOLUTIONS={','.join(map(str, self.remote_resolutions))})")
+
+
+KVReelConfig = make_dataclass(
+    "KVReelConfig", [(s.name.lower(), Any) for s in SETTINGS], bases=(_Loading,), frozen=True,
+    namespace={"__doc__": "kvreel's validated settings: ``cfg.cpu_bytes`` is KVREEL_CPU_BYTES, and so on.",
+               "__module__": __name__})
 
 
 def _known(name: str, shown: str) -> str:

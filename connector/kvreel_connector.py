@@ -21,25 +21,27 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvreel.connector.block_copy import layout_of
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.metadata import DISK, HOST, KVReelMetadata
+from kvreel.connector.metadata import KVReelMetadata
 from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
+from kvreel.connector.tiers import Tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger("kvreel")
+logger = logging.getLogger(__name__)
 
 
 def _share_vllm_log_handlers() -> None:
     """kvreel's modules log to "kvreel.*" (no vLLM import needed); inside vLLM
     those lines go wherever vLLM's own go, in its format."""
+    root = logging.getLogger("kvreel")
     vllm_logger = logging.getLogger("vllm")
-    if vllm_logger.handlers and not logger.handlers:
+    if vllm_logger.handlers and not root.handlers:
         for handler in vllm_logger.handlers:
-            logger.addHandler(handler)
-        logger.setLevel(vllm_logger.level or logging.INFO)
-        logger.propagate = False
+            root.addHandler(handler)
+        root.setLevel(vllm_logger.level or logging.INFO)
+        root.propagate = False
 
 
 _share_vllm_log_handlers()
@@ -163,7 +165,7 @@ class KVReelConnector(KVConnectorBase_V1):
         tokens = self._scheduler.planned_tokens_by_tier(request.request_id)
         if not tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        return {CacheHitSource.HOST if tier == HOST else CacheHitSource.DISK: n for tier, n in tokens.items()}
+        return {CacheHitSource.HOST if tier == Tier.HOST else CacheHitSource.DISK: n for tier, n in tokens.items()}
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
@@ -191,4 +193,4 @@ class KVReelConnector(KVConnectorBase_V1):
         return KVReelPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-__all__ = ["KVReelConnector", "model_identity", "DISK", "HOST"]
+__all__ = ["KVReelConnector", "model_identity"]

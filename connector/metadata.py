@@ -15,27 +15,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-HOST = "host"
-DISK = "disk"
-REMOTE = "remote"
+from kvreel.connector.tiers import Tier
 
 
 @dataclass
 class StoreOp:
-    """Copy ``block_ids`` out of the paged cache as chunk ``key``."""
+    """Copy ``block_ids`` out of the paged cache as chunk ``key`` into ``tiers``."""
     key: bytes
     block_hashes: list[bytes]
     block_ids: list[int]
-    to_host: bool
-    to_disk: bool
-    to_remote: bool = False
+    tiers: set[Tier]
 
 
 @dataclass
 class LoadPiece:
     """Rows ``[first, first + len(block_ids))`` of chunk ``key`` go into ``block_ids``."""
     key: bytes
-    tier: str
+    tier: Tier
     first: int
     block_ids: list[int]
     promote_to_host: bool = False
@@ -52,8 +48,7 @@ class LoadOp:
 class KVReelMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
-    evict_host: list[bytes] = field(default_factory=list)
-    evict_disk: list[bytes] = field(default_factory=list)
+    evictions: dict[Tier, list[bytes]] = field(default_factory=dict)
 
 
 @dataclass

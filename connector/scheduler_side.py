@@ -13,44 +13,36 @@ held chunk is reusable: reuse is at block granularity.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvreel.codec.formats import ChunkError
 from kvreel.connector.config import KVReelConfig, format_bytes
-from kvreel.connector.disk_tier import ChunkFileError, scan_chunk_headers
-from kvreel.connector.metadata import (
-    DISK,
-    HOST,
-    REMOTE,
-    KVReelMetadata,
-    KVReelWorkerMeta,
-    LoadOp,
-    LoadPiece,
-    StoreOp,
-)
+from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece, StoreOp
 from kvreel.connector.stats import KVReelStats
+from kvreel.connector.tiers import Tier
+from kvreel.connector.tiers.disk import scan_chunk_files
 
-logger = logging.getLogger("kvreel.scheduler")
+logger = logging.getLogger(__name__)
+HOST, DISK, REMOTE = Tier.HOST, Tier.DISK, Tier.REMOTE
 
 
 class Chunk:
-    __slots__ = ("key", "block_hashes", "nbytes", "in_host", "in_disk", "pins")
+    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins")
 
     def __init__(self, key: bytes, block_hashes: list[bytes], nbytes: int):
         self.key = key
         self.block_hashes = block_hashes
         self.nbytes = nbytes
-        self.in_host = False
-        self.in_disk = False
+        self.tiers: set[Tier] = set()     # the local tiers (host, disk) holding it
         self.pins = 0
 
 
 class TierBudget:
-    """Byte budget with LRU order for one tier."""
+    """Byte budget with LRU order for one local tier."""
 
-    def __init__(self, name: str, capacity: int):
-        self.name = name
+    def __init__(self, tier: Tier, capacity: int):
+        self.tier = tier
         self.capacity = capacity
         self.used = 0
         self.lru: OrderedDict[bytes, Chunk] = OrderedDict()
@@ -102,15 +94,15 @@ class KVReelScheduler:
         self.chunk_blocks = cfg.chunk_tokens // block_size
         self.bytes_per_block = bytes_per_block
         self.index: dict[bytes, tuple[Chunk, int]] = {}
-        self.host = TierBudget(HOST, cfg.cpu_bytes)
-        self.disk = TierBudget(DISK, cfg.disk_bytes) if cfg.disk_dir else None
+        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes)}
+        if cfg.disk_dir:
+            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes)
         self.reqs: dict[str, RequestState] = {}
         self.stats = KVReelStats()
         self._planned: dict[str, tuple[int, int]] = {}
         self._loads: list[LoadOp] = []
         self._stores: dict[bytes, StoreOp] = {}
-        self._evict_host: list[bytes] = []
-        self._evict_disk: list[bytes] = []
+        self._evictions: dict[Tier, list[bytes]] = {}
         self._sync_pins: list[Chunk] = []
         self._async_pins: dict[str, list[Chunk]] = {}
         self._promotions: dict[str, list[Chunk]] = {}
@@ -118,20 +110,24 @@ class KVReelScheduler:
         self.remote = None
         self.blocking = cfg.fetch_mode == "blocking"
         if cfg.remote_url:
-            from kvreel.connector.remote_tier import RemoteLookups
+            from kvreel.connector.tiers.remote import RemoteLookups
             self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
-        if self.disk is not None:
+        if DISK in self.budgets:
             self._adopt_disk_chunks()
         logger.info("kvreel: host tier %s, disk tier %s, chunk %d tokens, %s per block",
                     format_bytes(cfg.cpu_bytes),
-                    f"{cfg.disk_dir} ({format_bytes(cfg.disk_bytes)}, {len(self.disk.lru)} chunks found)"
-                    if self.disk else "off", cfg.chunk_tokens, format_bytes(bytes_per_block))
+                    f"{cfg.disk_dir} ({format_bytes(cfg.disk_bytes)}, {len(self.budgets[DISK].lru)} chunks found)"
+                    if DISK in self.budgets else "off", cfg.chunk_tokens, format_bytes(bytes_per_block))
+
+    @property
+    def host(self) -> TierBudget:
+        return self.budgets[HOST]
 
     # -- startup -------------------------------------------------------------
     def _adopt_disk_chunks(self) -> None:
         found = []
-        for key, header in scan_chunk_headers(self.cfg.disk_dir, self.identity):
-            if isinstance(header, ChunkFileError):
+        for key, path, header in scan_chunk_files(self.cfg.disk_dir, self.identity):
+            if isinstance(header, ChunkError):
                 self.stats.add("corrupt_chunks", label=DISK)
                 logger.warning("kvreel: ignoring unusable chunk file: %s", header)
                 continue
@@ -141,14 +137,11 @@ class KVReelScheduler:
                 logger.warning("kvreel: ignoring chunk %s: its shape %s does not match this engine's layout",
                                key.hex()[:16], header.shape)
                 continue
-            path = os.path.join(self.cfg.disk_dir, self.identity, "rank0", key.hex()[:2], key.hex() + ".kvr")
-            found.append((os.path.getmtime(path), key, header))
+            found.append((path.stat().st_mtime, key, header))
         for _, key, header in sorted(found):
             chunk = Chunk(key, list(header.block_hashes), header.payload_bytes)
-            if not self._admit(chunk, self.disk):
-                continue
-            chunk.in_disk = True
-            self._index(chunk)
+            if self._admit(chunk, DISK):
+                self._index(chunk)
 
     # -- lookup --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -175,7 +168,7 @@ class KVReelScheduler:
         if n <= start:
             return 0, False
         self._planned[request.request_id] = (start, local_end)
-        needs_async = n > local_end or any(not self.index[h][0].in_host for h in hashes[start:local_end])
+        needs_async = n > local_end or any(HOST not in self.index[h][0].tiers for h in hashes[start:local_end])
         return (n - start) * self.block_size, needs_async and not self.blocking
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -200,7 +193,7 @@ class KVReelScheduler:
                 st.from_remote.add(request.block_hashes[i])
                 continue
             chunk, row = self.index[request.block_hashes[i]]
-            tier = HOST if chunk.in_host else DISK
+            tier = HOST if HOST in chunk.tiers else DISK
             last = pieces[-1] if pieces else None
             if last and last.key == chunk.key and last.first + len(last.block_ids) == row:
                 last.block_ids.append(block_ids[i])
@@ -209,9 +202,8 @@ class KVReelScheduler:
             if chunk not in chunks:
                 chunks.append(chunk)
                 chunk.pins += 1
-                self.host.touch(chunk)
-                if self.disk:
-                    self.disk.touch(chunk)
+                for budget in self.budgets.values():
+                    budget.touch(chunk)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
         is_async = any(p.tier != HOST for p in pieces) and not self.blocking
@@ -224,9 +216,9 @@ class KVReelScheduler:
         st.saved_upto = max(st.saved_upto, min(end, first_remote))
         self._loads.append(LoadOp(request.request_id, pieces, is_async))
 
-    def planned_tokens_by_tier(self, req_id: str) -> dict[str, int]:
+    def planned_tokens_by_tier(self, req_id: str) -> dict[Tier, int]:
         """Tokens of this step's load for ``req_id``, per tier (vLLM's hit-source metrics)."""
-        out: dict[str, int] = {}
+        out: dict[Tier, int] = {}
         for op in self._loads:
             if op.req_id == req_id:
                 for p in op.pieces:
@@ -253,10 +245,10 @@ class KVReelScheduler:
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         self._plan_promotions()
         self._skip_zeroing_of_sync_loads(scheduler_output)
-        meta = KVReelMetadata(self._loads, list(self._stores.values()), self._evict_host, self._evict_disk)
+        meta = KVReelMetadata(self._loads, [op for op in self._stores.values() if op.tiers], self._evictions)
         for chunk in self._sync_pins:
             chunk.pins -= 1
-        self._loads, self._stores, self._evict_host, self._evict_disk = [], {}, [], []
+        self._loads, self._stores, self._evictions = [], {}, {}
         self._sync_pins = []
         return meta
 
@@ -269,7 +261,7 @@ class KVReelScheduler:
             if not op.is_async:
                 continue
             promoted = [c for c in self._async_pins.get(op.req_id, ())
-                        if not c.in_host and c.key not in self.host.lru and self._admit(c, self.host)]
+                        if HOST not in c.tiers and c.key not in self.host.lru and self._admit(c, HOST, present=False)]
             for p in op.pieces:
                 p.promote_to_host = any(c.key == p.key for c in promoted)
             self._promotions[op.req_id] = promoted
@@ -311,60 +303,56 @@ class KVReelScheduler:
 
     def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int], from_remote: set) -> None:
         chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
-        chunk.in_host = self.cfg.cpu_bytes > 0 and self._admit(chunk, self.host)
-        chunk.in_disk = self.disk is not None and self._admit(chunk, self.disk)
-        to_remote = self.remote is not None and not all(h in from_remote for h in block_hashes)
-        if to_remote:
-            self.stats.add("saved_bytes", chunk.nbytes, REMOTE)
-        if not (chunk.in_host or chunk.in_disk):
-            if to_remote:
-                self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, False, False, True)
-            return
-        self._index(chunk)
-        self._stores[chunk.key] = StoreOp(chunk.key, block_hashes, block_ids, chunk.in_host, chunk.in_disk,
-                                          to_remote)
-        self.stats.add("saved_bytes", chunk.nbytes * chunk.in_host, HOST)
-        self.stats.add("saved_bytes", chunk.nbytes * chunk.in_disk, DISK)
+        op = StoreOp(chunk.key, block_hashes, block_ids, set())
+        self._stores[chunk.key] = op        # before admitting: an eviction on the way updates it
+        if self.cfg.cpu_bytes > 0 and self._admit(chunk, HOST):
+            op.tiers.add(HOST)
+        if DISK in self.budgets and self._admit(chunk, DISK):
+            op.tiers.add(DISK)
+        if self.remote is not None and not all(h in from_remote for h in block_hashes):
+            op.tiers.add(REMOTE)
+        if chunk.tiers:
+            self._index(chunk)
+        for tier in op.tiers:
+            self.stats.add("saved_bytes", chunk.nbytes, tier)
 
     # -- tiers ---------------------------------------------------------------
     def _index(self, chunk: Chunk) -> None:
         for row, h in enumerate(chunk.block_hashes):
             self.index[h] = (chunk, row)
 
-    def _admit(self, chunk: Chunk, tier: TierBudget) -> bool:
-        victims = tier.victims_for(chunk.nbytes)
+    def _admit(self, chunk: Chunk, tier: Tier, present: bool = True) -> bool:
+        """Make room (evicting LRU chunks) and account ``chunk`` in a local tier;
+        ``present=False`` reserves the room for a copy still on its way (a
+        promotion), which lookups may use once it has landed."""
+        budget = self.budgets[tier]
+        victims = budget.victims_for(chunk.nbytes)
         if victims is None:
             return False
         for victim in victims:
             self._evict(victim, tier)
-        tier.add(chunk)
+        budget.add(chunk)
+        if present:
+            chunk.tiers.add(tier)
         return True
 
-    def _evict(self, chunk: Chunk, tier: TierBudget) -> None:
-        tier.remove(chunk)
+    def _evict(self, chunk: Chunk, tier: Tier) -> None:
+        self._drop_copy(chunk, tier)
         pending = self._stores.get(chunk.key)
-        if tier is self.host:
-            chunk.in_host = False
-            if pending is not None:
-                pending.to_host = False
-            else:
-                self._evict_host.append(chunk.key)
+        if pending is not None:
+            pending.tiers.discard(tier)        # not written yet: nothing to delete
         else:
-            chunk.in_disk = False
-            if pending is not None:
-                pending.to_disk = False
-            else:
-                self._evict_disk.append(chunk.key)
-        self.stats.add("evicted_chunks", label=tier.name)
-        if not (chunk.in_host or chunk.in_disk):
-            self._forget(chunk)
+            self._evictions.setdefault(tier, []).append(chunk.key)
+        self.stats.add("evicted_chunks", label=tier)
 
-    def _forget(self, chunk: Chunk) -> None:
-        for h in chunk.block_hashes:
-            if self.index.get(h, (None,))[0] is chunk:
-                del self.index[h]
-        if (op := self._stores.get(chunk.key)) is not None and not (op.to_host or op.to_disk or op.to_remote):
-            del self._stores[chunk.key]
+    def _drop_copy(self, chunk: Chunk, tier: Tier) -> None:
+        """Account a copy gone from a tier; a chunk in no local tier is forgotten."""
+        self.budgets[tier].remove(chunk)
+        chunk.tiers.discard(tier)
+        if not chunk.tiers:
+            for h in chunk.block_hashes:
+                if self.index.get(h, (None,))[0] is chunk:
+                    del self.index[h]
 
     def _drop(self, key: bytes) -> None:
         """Forget a chunk everywhere (it failed verification)."""
@@ -372,24 +360,24 @@ class KVReelScheduler:
         if entry is None or entry[0].key != key:
             return
         chunk = entry[0]
-        for tier in (self.host, self.disk):
-            if tier is not None and chunk.key in tier.lru:
-                self._evict(chunk, tier)
+        for tier in list(chunk.tiers):
+            self._evict(chunk, tier)
 
     # -- feedback from the workers -------------------------------------------
     def update_connector_output(self, output) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVReelWorkerMeta):
-            if meta.disk_disabled and self.disk is not None:
+            disk = self.budgets.get(DISK)
+            if meta.disk_disabled and disk is not None:
                 logger.error("kvreel: disk tier disabled by a worker: %s", meta.disk_disabled)
-                for chunk in list(self.disk.lru.values()):
-                    self._lose_disk_copy(chunk)
-                self.disk = None
+                for chunk in list(disk.lru.values()):
+                    self._drop_copy(chunk, DISK)     # the copies are gone: no deletes to send
+                del self.budgets[DISK]
             for key in meta.failed_disk_keys:
                 self.stats.add("disk_write_failures")
                 entry = self.index.get(key)
-                if entry and self.disk is not None and entry[0].in_disk:
-                    self._lose_disk_copy(entry[0])
+                if entry and DISK in self.budgets and DISK in entry[0].tiers:
+                    self._drop_copy(entry[0], DISK)
             for key in meta.bad_keys:
                 self._drop(key)
         for req_id in output.finished_recving or ():
@@ -397,14 +385,7 @@ class KVReelScheduler:
                 chunk.pins -= 1
             for chunk in self._promotions.pop(req_id, ()):
                 if chunk.key in self.host.lru and self.index.get(chunk.key, (None,))[0] is chunk:
-                    chunk.in_host = True
-
-    def _lose_disk_copy(self, chunk: Chunk) -> None:
-        """The disk copy is gone (never written, or the tier broke): no delete to send."""
-        self.disk.remove(chunk)
-        chunk.in_disk = False
-        if not chunk.in_host:
-            self._forget(chunk)
+                    chunk.tiers.add(HOST)
 
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
@@ -415,10 +396,9 @@ class KVReelScheduler:
 
     def reset(self) -> bool:
         """Forget every unpinned chunk in every tier (``reset_prefix_cache(reset_connector=True)``)."""
-        for tier in (self.host, self.disk):
-            if tier is not None:
-                for chunk in [c for c in tier.lru.values() if c.pins == 0]:
-                    self._evict(chunk, tier)
+        for tier, budget in list(self.budgets.items()):
+            for chunk in [c for c in budget.lru.values() if c.pins == 0]:
+                self._evict(chunk, tier)
         return True
 
     def take_stats(self) -> KVReelStats | None:

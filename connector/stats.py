@@ -1,10 +1,15 @@
 """Connector statistics: counters that travel worker -> scheduler -> logger and
-are exported to Prometheus through vLLM's connector metrics hooks."""
+are exported to Prometheus through vLLM's connector metrics hooks.
+
+Features outside the connector's core (retrieval attention) count in their
+own ``KVReelStats`` and hand them over through ``register_stats_source``, so
+the connector exports them without importing the feature."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -81,6 +86,24 @@ class KVReelStats(KVConnectorStats):
         out = KVReelStats(data=self.data)
         self.data = {}
         return out
+
+
+_sources: list[Callable[[], "KVReelStats | None"]] = []
+_sources_lock = threading.Lock()
+
+
+def register_stats_source(take: Callable[[], "KVReelStats | None"]) -> None:
+    """``take()`` hands over a feature's counts since its last call; the worker
+    side of the connector collects them with its own (once per process)."""
+    with _sources_lock:
+        if take not in _sources:
+            _sources.append(take)
+
+
+def collect_registered_stats() -> list[KVReelStats]:
+    with _sources_lock:
+        sources = list(_sources)
+    return [s for s in (take() for take in sources) if s is not None]
 
 
 class KVReelPromMetrics(KVConnectorPromMetrics):

@@ -15,7 +15,7 @@ from pathlib import Path
 CORPUS_MODULES = ("json", "asyncio", "collections", "email", "http", "logging")
 
 
-def _corpus_files() -> list[str]:
+def corpus_files() -> list[str]:
     """Python's own standard library: present wherever Python is."""
     stdlib = Path(sys.modules["os"].__file__).parent
     files: list[str] = []
@@ -62,7 +62,7 @@ def build_tiny_llama(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train(_corpus_files(), trainer)
+    tok.train(corpus_files(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 

@@ -1,6 +1,6 @@
-"""Worker side of the connector: moves pages between vLLM's paged cache, the
-host tier (a dict of chunk tensors) and the disk tier, exactly as the
-scheduler side planned, and reports what failed."""
+"""Worker side of the connector: moves pages between vLLM's paged cache and the
+tiers (``kvreel.connector.tiers``) exactly as the scheduler side planned, and
+reports what failed."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.disk_tier import ChunkFileError, ChunkUnavailable, DiskTier
-from kvreel.connector.metadata import HOST, REMOTE, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
-from kvreel.connector.retrieval.retriever import take_retrieval_stats
-from kvreel.connector.stats import KVReelStats
+from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
+from kvreel.connector.stats import KVReelStats, collect_registered_stats
+from kvreel.connector.tiers import ChunkTier, Tier
+from kvreel.connector.tiers.disk import DiskTier
+from kvreel.connector.tiers.host import HostTier
 
-logger = logging.getLogger("kvreel.worker")
+logger = logging.getLogger(__name__)
 
 
 class KVReelWorker:
@@ -28,9 +30,7 @@ class KVReelWorker:
         self.identity = identity
         self.rank = rank
         self.pages: PagedRegions | None = None
-        self.host: dict[bytes, torch.Tensor] = {}
-        self.disk: DiskTier | None = None
-        self.remote = None
+        self.tiers: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
         self.fetcher = None
         self._disk_disabled: str | None = None
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
@@ -45,14 +45,14 @@ class KVReelWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config) -> None:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
         if self.cfg.disk_dir:
-            self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
-                                 on_error=self._on_disk_error)
+            self.tiers[Tier.DISK] = DiskTier(self.cfg.disk_dir, self.identity, self.rank,
+                                             self.cfg.disk_write_queue, on_error=self._on_disk_error)
         if self.cfg.remote_url:
             self._start_remote(kv_cache_config)
 
     def _start_remote(self, kv_cache_config) -> None:
-        from kvreel.connector.block_copy import KVView
-        from kvreel.connector.remote_tier import RemoteTier
+        from kvreel.codec.forms import KVView, StoredForms
+        from kvreel.connector.tiers.remote import RemoteTier
         from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
         from kvreel.scheduler.fetch_controller import FetchController
         cfg, pages = self.cfg, self.pages
@@ -60,33 +60,30 @@ class KVReelWorker:
         kv_view = KVView(pages.block_bytes, spec) if "video" in cfg.remote_forms else None
         # each rank holds its own shard of the KV: one namespace per rank
         ident = self.identity if self.rank == 0 else f"{self.identity}-r{self.rank}"
-        self.remote = RemoteTier(cfg.remote_url, ident, cfg.remote_timeout_s, cfg.remote_write_queue,
-                                 forms=cfg.remote_forms, quant=cfg.remote_quant,
-                                 resolutions=cfg.remote_resolutions, kv_view=kv_view)
-        self.remote.decode_device = pages.device
+        forms = StoredForms(ident, kinds=cfg.remote_forms, quant=cfg.remote_quant,
+                            resolutions=cfg.remote_resolutions, kv_view=kv_view)
+        forms.device = pages.device
+        remote = RemoteTier(cfg.remote_url, forms, cfg.remote_timeout_s, cfg.remote_write_queue)
+        self.tiers[Tier.REMOTE] = remote
         chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
         device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
         profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
         fixed = None if cfg.fetch_form == "auto" else cfg.fetch_form
-        self.fetcher = FetchController(self.remote, profile, streams=cfg.fetch_streams,
-                                       policy=cfg.fetch_policy, fixed_form=fixed, device=pages.device)
+        self.fetcher = FetchController(remote, profile, streams=cfg.fetch_streams, policy=cfg.fetch_policy,
+                                       fixed_form=fixed, device=pages.device)
         payload = synthetic_payload(torch.Size(chunk_shape))
-        names = [f for f in ("raw", "zstd") if f in cfg.remote_forms] + \
-            [f"video@{r}" for r in cfg.remote_resolutions if "video" in cfg.remote_forms]
         threading.Thread(target=profile.measure, name="kvreel-decode-profile", daemon=True, args=(
-            names, lambda: self.remote.encode_forms([bytes(32)] * chunk_shape[1], payload),
-            self.remote.decode_form)).start()
+            forms.names(), lambda: forms.encode([bytes(32)] * chunk_shape[1], payload), forms.decode)).start()
 
     def _on_disk_error(self, msg: str) -> None:
         self._disk_disabled = msg
 
     # -- loads ---------------------------------------------------------------
     def start_load_kv(self, meta: KVReelMetadata) -> None:
-        for key in meta.evict_host:
-            self.host.pop(key, None)
-        if self.disk is not None:
-            for key in meta.evict_disk:
-                self.disk.submit_delete(key)
+        for tier, keys in meta.evictions.items():
+            if tier in self.tiers:
+                for key in keys:
+                    self.tiers[tier].delete(key)
         for op in meta.loads:
             if op.is_async:
                 self._async[op.req_id] = self._loader.submit(self._load, op)
@@ -95,81 +92,45 @@ class KVReelWorker:
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
-        remote = [p for p in op.pieces if p.tier == REMOTE]
+        remote = [p for p in op.pieces if p.tier == Tier.REMOTE]
         for piece in op.pieces:
-            if piece.tier == REMOTE:
+            if piece.tier == Tier.REMOTE:
                 continue
             t0 = time.perf_counter()
             try:
-                if piece.tier == HOST:
-                    data = self.host.get(piece.key)
-                    if data is None:
-                        raise ChunkUnavailable("chunk is no longer in the host tier")
-                else:
-                    if self.disk is None:
-                        raise ChunkUnavailable("disk tier is disabled")
-                    data = self.disk.read(piece.key)
-                self._restore(piece, data, t0)
-            except ChunkFileError as e:
+                tier = self.tiers.get(piece.tier)
+                if tier is None:
+                    raise ChunkUnavailable(f"the {piece.tier.value} tier is disabled")
+                data = tier.get(piece.key)
+                self._check_fits(data, piece)
+                self.pages.scatter(data, piece.block_ids, _rows(piece))
+                self._restored(piece, data, t0)
+            except ChunkError as e:
                 self._failed(piece, e)
         if remote:
-            self._load_remote(op.req_id, remote)
-
-    def _load_remote(self, req_id: str, pieces: list[LoadPiece]) -> None:
-        """Stream the remote pieces through the fetch controller, restoring each as it arrives."""
-        if self.remote is None:
-            for piece in pieces:
-                self._failed(piece, ChunkUnavailable("remote tier is not configured on this worker"))
-            return
-        t0 = time.perf_counter()
-
-        def on_part(index: int, first: int, rows: torch.Tensor) -> None:
-            piece = pieces[index]
-            self._check_fits(rows, piece, first, whole=False)
-            self.pages.scatter(rows, piece.block_ids, self._rows(piece), first_region=first)
-
-        def on_chunk(r):
-            piece = pieces[r.index]
-            with self._lock:
-                self.stats.add("remote_fetches", 1, r.form)
-                self.stats.add("remote_fetch_bytes", r.wire_bytes, r.form)
-                self.stats.add("remote_transfer_seconds", r.transmit_s, r.form)
-                self.stats.add("decode_seconds", r.decode_s, r.form)
-            try:
-                if r.error is not None:
-                    raise r.error if isinstance(r.error, ChunkFileError) else ChunkUnavailable(str(r.error))
-                self._check_fits(r.payload, piece)      # every region arrived through on_part
-                self._restored(piece, r.payload, t0)
-            except ChunkFileError as e:
-                self._failed(piece, e)
-        self.fetcher.fetch(req_id, [p.key for p in pieces], on_chunk, on_part)
-
-    @staticmethod
-    def _rows(piece: LoadPiece) -> slice:
-        return slice(piece.first, piece.first + len(piece.block_ids))
+            if self.fetcher is None:
+                for piece in remote:
+                    self._failed(piece, ChunkUnavailable("remote tier is not configured on this worker"))
+            else:
+                self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, remote))
 
     def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
         """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
         regions = len(self.pages.regions)
-        if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < self._rows(piece).stop \
+        if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < _rows(piece).stop \
                 or (first_region + data.shape[0] != regions if whole else first_region + data.shape[0] > regions):
-            raise ChunkFileError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
-
-    def _restore(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
-        self._check_fits(data, piece)
-        self.pages.scatter(data, piece.block_ids, self._rows(piece))
-        self._restored(piece, data, t0)
+            raise ChunkError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
 
     def _restored(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
         """Book a chunk whose blocks now hold its KV (and keep it in the host tier if planned)."""
         if piece.promote_to_host:
-            self.host[piece.key] = data.cpu()
+            self.tiers[Tier.HOST].put(piece.key, [], data)
         with self._lock:
             self.stats.add("loaded_bytes", len(piece.block_ids) * self.pages.bytes_per_block, piece.tier)
             self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
             self.stats.add("load_count", 1, piece.tier)
 
-    def _failed(self, piece: LoadPiece, e: ChunkFileError) -> None:
+    def _failed(self, piece: LoadPiece, e: ChunkError) -> None:
         with self._lock:
             self._load_errors.update(piece.block_ids)
             self._bad_keys.add(piece.key)
@@ -181,22 +142,17 @@ class KVReelWorker:
         if first_report:
             what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
             logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
-                           what, piece.tier, piece.key.hex()[:16], e, len(piece.block_ids))
+                           what, piece.tier.value, piece.key.hex()[:16], e, len(piece.block_ids))
 
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
         assert self.pages is not None
         for op in meta.stores:
-            if not (op.to_host or op.to_disk or op.to_remote):
-                continue
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)
-            if op.to_host:
-                self.host[op.key] = data
-            if op.to_disk and self.disk is not None:
-                self.disk.submit_write(op.key, op.block_hashes, data)
-            if op.to_remote and self.remote is not None:
-                self.remote.submit_upload(op.key, op.block_hashes, data)
+            for tier in op.tiers:
+                if tier in self.tiers:
+                    self.tiers[tier].put(op.key, op.block_hashes, data)
             with self._lock:
                 self.stats.add("save_seconds", time.perf_counter() - t0)
                 self.stats.add("save_count")
@@ -216,37 +172,68 @@ class KVReelWorker:
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
         with self._lock:
             bad, self._bad_keys = self._bad_keys, set()
-        failed: set[bytes] = set()
-        if self.disk is not None:
-            failed = set(self.disk.failed_keys)
-            self.disk.failed_keys.clear()
+        disk = self.tiers.get(Tier.DISK)
+        failed = disk.take_failed_writes() if disk is not None else set()
         meta = KVReelWorkerMeta(bad, failed, self._disk_disabled)
         if self._disk_disabled:
-            self.disk = None
+            self.tiers.pop(Tier.DISK, None)
             self._disk_disabled = None
         return None if meta.is_empty() else meta
 
     def take_stats(self) -> KVReelStats | None:
         with self._lock:
-            if self.remote is not None:
-                failures = self.remote.take_upload_failures()
+            remote = self.tiers.get(Tier.REMOTE)
+            if remote is not None:
+                failures = remote.take_upload_failures()
                 if failures:
                     self.stats.add("remote_upload_failures", failures)
-                for form, seconds in self.remote.take_encode_seconds().items():
+                for form, seconds in remote.take_encode_seconds().items():
                     self.stats.add("encode_seconds", seconds, form)
-            retrieval = take_retrieval_stats()
-            if retrieval is not None:
-                self.stats.aggregate(retrieval)
+            for extra in collect_registered_stats():
+                self.stats.aggregate(extra)
             return self.stats.take()
 
     def shutdown(self) -> None:
         for fut in list(self._async.values()):
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.flush()
-            self.disk.close()
+        disk = self.tiers.get(Tier.DISK)
+        if disk is not None:
+            disk.flush()
         if self.fetcher is not None:
             self.fetcher.close()
-        if self.remote is not None:
-            self.remote.close()
+        for tier in self.tiers.values():
+            tier.close()
+
+
+def _rows(piece: LoadPiece) -> slice:
+    return slice(piece.first, piece.first + len(piece.block_ids))
+
+
+class _RemoteRestore:
+    """Where the fetch controller delivers a request's remote chunks: each
+    verified part is scattered into the piece's blocks as it arrives; each
+    finished chunk is booked, or failed (its blocks are recomputed)."""
+
+    def __init__(self, worker: KVReelWorker, pieces: list[LoadPiece]):
+        self.worker, self.pieces, self.t0 = worker, pieces, time.perf_counter()
+
+    def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
+        piece = self.pieces[index]
+        self.worker._check_fits(rows, piece, first_region, whole=False)
+        self.worker.pages.scatter(rows, piece.block_ids, _rows(piece), first_region=first_region)
+
+    def done(self, result) -> None:
+        w, piece = self.worker, self.pieces[result.index]
+        with w._lock:
+            w.stats.add("remote_fetches", 1, result.form)
+            w.stats.add("remote_fetch_bytes", result.wire_bytes, result.form)
+            w.stats.add("remote_transfer_seconds", result.transmit_s, result.form)
+            w.stats.add("decode_seconds", result.decode_s, result.form)
+        try:
+            if result.error is not None:
+                raise result.error if isinstance(result.error, ChunkError) else ChunkUnavailable(str(result.error))
+            w._check_fits(result.payload, piece)      # every region arrived through part()
+            w._restored(piece, result.payload, self.t0)
+        except ChunkError as e:
+            w._failed(piece, e)

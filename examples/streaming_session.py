@@ -27,8 +27,8 @@ QUESTIONS = ("# What does the code above define?\n", "# Which function is called
 
 def segments(n: int, chars: int) -> list[str]:
     """n frames: consecutive pieces of the standard library's source."""
-    from kvreel.connector.tiny_model import _corpus_files
-    text = "".join(Path(f).read_text(errors="replace") for f in _corpus_files()[:40])
+    from kvreel.connector.tiny_model import corpus_files
+    text = "".join(Path(f).read_text(errors="replace") for f in corpus_files()[:40])
     return [text[i * chars:(i + 1) * chars] for i in range(n)]
 
 

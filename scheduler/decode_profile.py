@@ -3,15 +3,13 @@
 The fetch controller needs decode time per form and resolution (KVFetcher
 Alg. 1's profile table). It is measured once per machine, decoder and chunk
 shape by encoding a synthetic KV-like chunk into every form and timing its
-decode, cached in ``~/.cache/kvreel/decode_profile.json``, and refined by every
+decode, cached in ``~/.cache/kvreel/decode_profile.json`` (``kvreel.codec.cache``), and refined by every
 real decode (EWMA), so it follows the machine's actual load.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -19,15 +17,19 @@ from typing import Callable
 
 import torch
 
-logger = logging.getLogger("kvreel.fetch")
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvreel" / "decode_profile.json"
+from kvreel.codec.cache import cache_file, read_json, write_json
+
+logger = logging.getLogger(__name__)
+_DEFAULT = object()
 
 
 class DecodeProfile:
     """Seconds to decode one chunk, per form (``raw``, ``zstd``, ``video@512``...)."""
 
-    def __init__(self, machine_key: str, path: Path | None = CACHE, alpha: float = 0.3):
-        self.machine_key, self.path, self.alpha = machine_key, path, alpha
+    def __init__(self, machine_key: str, path: Path | None = _DEFAULT, alpha: float = 0.3):
+        """``path``: the cache file (default ``decode_profile.json`` in kvreel's cache; None: no cache)."""
+        self.machine_key, self.alpha = machine_key, alpha
+        self.path = cache_file("decode_profile.json") if path is _DEFAULT else path
         self._lock = threading.Lock()
         self.seconds: dict[str, float] = self._load()
 
@@ -35,25 +37,19 @@ class DecodeProfile:
         if self.path is None:
             return {}
         try:
-            table = json.loads(self.path.read_text()).get(self.machine_key, {})
+            table = read_json(self.path).get(self.machine_key, {})
             return {str(k): float(v) for k, v in table.items() if float(v) > 0}
-        except (OSError, ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError):
             return {}
 
     def save(self) -> None:
         if self.path is None:
             return
+        table = read_json(self.path)
+        with self._lock:
+            table[self.machine_key] = dict(self.seconds)
         try:
-            try:
-                table = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                table = {}
-            with self._lock:
-                table[self.machine_key] = dict(self.seconds)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            tmp.replace(self.path)
+            write_json(self.path, table)
         except OSError as e:
             logger.warning("kvreel: could not cache the decode profile (%s)", e)
 

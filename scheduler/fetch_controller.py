@@ -9,11 +9,12 @@ request (``fcfs``). For every chunk the form is chosen just before
 it is fetched (``choose``: bandwidth measured on the previous transfers, decode
 time from the machine's profile scaled by the decoders' current load, a penalty
 for switching resolution). The stream then hands the bytes to the decoder pool
-and moves on to the next transfer (transfer and decoding overlap, at most two
-chunks per decoder ahead). While a chunk decodes, each verified part (a layer
-triplet of the video form, the whole chunk of the byte forms) goes to
-``on_part``, which restores it into the request's blocks; ``on_chunk`` then
-reports the chunk done or failed.
+(``kvreel.codec.forms`` decodes and verifies them) and moves on to the next
+transfer (transfer and decoding overlap, at most two chunks per decoder ahead).
+While a chunk decodes, each verified part (a layer triplet of the video form,
+the whole chunk of the byte forms) goes to the request's sink (``part``), which
+restores it into the request's blocks; ``done`` then reports the chunk done or
+failed. Data flows one way: tier bytes -> decode -> sink.
 A damaged or missing form is dropped and the chunk is fetched raw instead; if
 the raw form fails too the chunk is reported failed (vLLM recomputes it).
 """
@@ -25,15 +26,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import torch
 
+from kvreel.codec.formats import RAW
 from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
 from kvreel.scheduler.decode_profile import DecodeProfile
 from kvreel.scheduler.decoder_pool import DecoderPool
 
-logger = logging.getLogger("kvreel.fetch")
+logger = logging.getLogger(__name__)
 SWITCH_PENALTY_S = 0.002     # a new decoder configuration when the resolution changes
 
 
@@ -48,12 +50,21 @@ class ChunkResult:
     decode_s: float = 0.0
 
 
+class ChunkSink(Protocol):
+    """Where a request's fetched chunks go."""
+
+    def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
+        """Verified payload rows of chunk ``index``, from region ``first_region`` on."""
+
+    def done(self, result: ChunkResult) -> None:
+        """Chunk ``result.index`` is complete (every part delivered) or failed."""
+
+
 @dataclass
 class _Request:
     req_id: str
     jobs: collections.deque
-    on_chunk: Callable[[ChunkResult], None]
-    on_part: Callable[[int, int, torch.Tensor], None] | None
+    sink: ChunkSink
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
     previous_form: str | None = None
@@ -67,7 +78,8 @@ class FetchController:
                  device: str | torch.device = "cpu"):
         if policy not in ("fair", "fcfs"):
             raise ValueError(f"policy must be fair or fcfs, got {policy!r}")
-        self.tier, self.profile, self.policy, self.fixed_form = tier, profile, policy, fixed_form
+        self.tier, self.forms, self.profile = tier, tier.forms, profile
+        self.policy, self.fixed_form = policy, fixed_form
         self.streams = streams
         self.bandwidth = BandwidthEstimator(initial_Bps)
         self.decoders = DecoderPool(decoders or streams, device=device)
@@ -82,17 +94,13 @@ class FetchController:
         for t in self._threads:
             t.start()
 
-    def fetch(self, req_id: str, keys: list[bytes], on_chunk: Callable[[ChunkResult], None],
-              on_part: Callable[[int, int, torch.Tensor], None] | None = None,
-              timeout_s: float | None = None) -> bool:
-        """Fetch ``keys`` for one request: ``on_part(chunk index, first region, rows)``
-        per verified part as it is decoded, ``on_chunk`` once per chunk; returns
-        when all are done (True) or ``timeout_s`` passed (False)."""
+    def fetch(self, req_id: str, keys: list[bytes], sink: ChunkSink, timeout_s: float | None = None) -> bool:
+        """Fetch ``keys`` for one request into ``sink``; returns when all are done
+        (True) or ``timeout_s`` passed (False)."""
         if not keys:
             return True
         manifests = self.tier.manifests(keys)
-        req = _Request(req_id, collections.deque(zip(range(len(keys)), keys, manifests)), on_chunk, on_part,
-                       len(keys))
+        req = _Request(req_id, collections.deque(zip(range(len(keys)), keys, manifests)), sink, len(keys))
         with self._cond:
             self._requests[req_id] = req
             self._cond.notify_all()
@@ -149,9 +157,8 @@ class FetchController:
     def _decode(self, req: _Request, index: int, key: bytes, form: str, data: bytes,
                 transmit_s: float) -> ChunkResult:
         t0 = time.perf_counter()
-        on_regions = None if req.on_part is None else (lambda first, rows: req.on_part(index, first, rows))
         try:
-            payload = self.tier.decode_form(form, data, on_regions=on_regions)
+            payload = self.forms.decode(form, data, on_regions=lambda first, rows: req.sink.part(index, first, rows))
         except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
             self.tier.drop_form(key, form)
             return ChunkResult(index, None, e, form, len(data), transmit_s)
@@ -160,15 +167,15 @@ class FetchController:
         return ChunkResult(index, payload, None, form, len(data), transmit_s, dt)
 
     def _finish(self, req: _Request, key: bytes, result: ChunkResult) -> None:
-        """A failed non-raw form is retried raw (inline); then the chunk goes to ``on_chunk``."""
+        """A failed non-raw form is retried raw (inline); then the chunk goes to the sink."""
         try:
-            if result.error is not None and result.form != "raw":
+            if result.error is not None and result.form != RAW:
                 logger.warning("kvreel: %s form of remote chunk %s failed (%s); fetching it raw",
                                result.form, key.hex()[:16], result.error)
-                fetched = self._transfer(result.index, key, "raw")
+                fetched = self._transfer(result.index, key, RAW)
                 result = fetched if isinstance(fetched, ChunkResult) else \
-                    self._decode(req, result.index, key, "raw", *fetched)
-            req.on_chunk(result)
+                    self._decode(req, result.index, key, RAW, *fetched)
+            req.sink.done(result)
         finally:
             self._ahead.release()
             with self._cond:
@@ -182,7 +189,7 @@ class FetchController:
         out = []
         for form, nbytes in forms.items():
             decode_s = self.profile.get(form)
-            if form == "raw":
+            if form == RAW:
                 out.append(Candidate(form, nbytes or 1, decode_s or 0.0))
             elif nbytes > 0 and decode_s is not None:
                 out.append(Candidate(form, nbytes, decode_s))
@@ -190,7 +197,7 @@ class FetchController:
 
     def choose_form(self, forms: dict[str, int], previous: str | None) -> str:
         if self.fixed_form is not None:
-            return self.fixed_form if self.fixed_form in forms else "raw"
+            return self.fixed_form if self.fixed_form in forms else RAW
         best, _ = choose(self.candidates(forms), self.bandwidth.Bps, decoder_load=self.decoders.load,
                          previous=previous, switch_penalty_s=SWITCH_PENALTY_S)
         return best.name

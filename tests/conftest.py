@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kvreel.connector.cli import free_port
+
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))        # bench/ helpers (the loopback shaper) are shared with the tests
+
+__all__ = ["free_port", "run_scenario", "tokens"]
 
 
 def has_cuda() -> bool:
@@ -59,11 +64,6 @@ def run_scenario(args: dict, timeout: int = 600) -> dict:
         return result
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

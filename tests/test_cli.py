@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvreel.codec import encode_chunk
-from kvreel.connector.disk_tier import DiskTier
+from kvreel.connector.tiers.disk import DiskTier
 
 
 def kvreel(*args, env=None):
@@ -41,7 +41,7 @@ def test_inspect_reads_both_formats(tmp_path):
     out = kvreel("inspect", str(path))
     assert out.returncode == 0 and '"container": "codec"' in out.stdout and '"resolution": 144' in out.stdout
     tier = DiskTier(tmp_path, "model-x", 0, queue_size=2)
-    tier.submit_write(b"\x07" * 32, [b"\x01" * 32], torch.zeros(1, 1, 64, dtype=torch.uint8))
+    tier.put(b"\x07" * 32, [b"\x01" * 32], torch.zeros(1, 1, 64, dtype=torch.uint8))
     tier.flush()
     tier.close()
     out = kvreel("inspect", str(tier.path(b"\x07" * 32)))

@@ -1,11 +1,15 @@
-"""The disk tier's file format on real files: round trips, damage detection."""
+"""The disk tier's file format on real files: round trips, damage detection,
+failed writes reported exactly once."""
 
 import os
+import sys
+import threading
 
 import pytest
 import torch
 
-from kvreel.connector.disk_tier import ChunkFileError, DiskTier, read_chunk_file, scan_chunk_headers
+from kvreel.codec.formats import ChunkError, read_chunk
+from kvreel.connector.tiers.disk import DiskTier, scan_chunk_files
 
 ID = "model-a"
 
@@ -19,19 +23,24 @@ def write(tmp_path, key=b"\x01" * 32, data=None, identity=ID):
     tier = DiskTier(tmp_path, identity, 0, queue_size=4)
     data = payload() if data is None else data
     hashes = [bytes([i]) * 32 for i in range(data.shape[1])]
-    assert tier.submit_write(key, hashes, data)
+    assert tier.put(key, hashes, data)
     tier.flush()
     tier.close()
     return tier.path(key), data, hashes
 
 
+def read_file(path, identity=ID):
+    with open(path, "rb") as f:
+        return read_chunk(f, identity)
+
+
 def test_round_trip_is_byte_exact(tmp_path):
     path, data, hashes = write(tmp_path)
-    header, back = read_chunk_file(path, ID)
+    header, back = read_file(path)
     assert torch.equal(back, data)
     assert list(header.block_hashes) == hashes
-    [(key, scanned)] = list(scan_chunk_headers(tmp_path, ID))
-    assert key == b"\x01" * 32 and scanned.shape == (2, 3, 4096)
+    [(key, found, scanned)] = list(scan_chunk_files(tmp_path, ID))
+    assert key == b"\x01" * 32 and found == path and scanned.shape == (2, 3, 4096)
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -44,8 +53,8 @@ def test_round_trip_is_byte_exact(tmp_path):
 def test_damage_is_detected(tmp_path, damage, message):
     path, _, _ = write(tmp_path)
     damage(path)
-    with pytest.raises(ChunkFileError, match=message):
-        read_chunk_file(path, ID)
+    with pytest.raises(ChunkError, match=message):
+        read_file(path)
 
 
 def _flip(path, offset):
@@ -58,8 +67,8 @@ def _flip(path, offset):
 
 def test_foreign_identity_is_refused(tmp_path):
     path, _, _ = write(tmp_path, identity="model-b")
-    with pytest.raises(ChunkFileError, match="belongs to another model/layout"):
-        read_chunk_file(path, ID)
+    with pytest.raises(ChunkError, match="belongs to another model/layout"):
+        read_file(path)
 
 
 def test_unwritable_directory_disables_the_tier(tmp_path):
@@ -68,19 +77,53 @@ def test_unwritable_directory_disables_the_tier(tmp_path):
     reasons = []
     tier = DiskTier(blocker, ID, 0, queue_size=4, on_error=reasons.append)
     assert not tier.enabled and "is not writable" in reasons[0]
-    assert not tier.submit_write(b"\x02" * 32, [b"\x00" * 32], payload(1))
-    assert tier.failed_keys == [b"\x02" * 32]
+    assert not tier.put(b"\x02" * 32, [b"\x00" * 32], payload(1))
+    assert tier.take_failed_writes() == {b"\x02" * 32}
+    assert tier.take_failed_writes() == set()
     tier.close()
 
 
 def test_pending_writes_are_readable_and_deletes_follow_writes(tmp_path):
     tier = DiskTier(tmp_path, ID, 0, queue_size=8)
     key, data = b"\x03" * 32, payload(2)
-    tier.submit_write(key, [b"a" * 32, b"b" * 32], data)
-    assert torch.equal(tier.read(key), data)
-    tier.submit_delete(key)
+    tier.put(key, [b"a" * 32, b"b" * 32], data)
+    assert torch.equal(tier.get(key), data)
+    tier.delete(key)
     tier.flush()
     assert not tier.path(key).exists()
-    with pytest.raises(ChunkFileError, match="missing"):
-        tier.read(key)
+    with pytest.raises(ChunkError, match="missing"):
+        tier.get(key)
+    tier.close()
+
+
+def test_no_failed_write_is_lost_while_failures_are_taken(tmp_path):
+    """The worker takes failed writes while writes keep failing on other threads
+    (the writer thread, the forward pass): every failure is reported once. A
+    take that copied the list and then cleared it lost the failures landing in
+    between, and the scheduler believed those chunks were on disk."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tier = DiskTier(blocker, ID, 0, queue_size=4)          # disabled: every put fails
+    keys = [i.to_bytes(4, "big") * 8 for i in range(20000)]
+    taken: list[set[bytes]] = []
+    done = threading.Event()
+
+    def take():
+        while not done.is_set():
+            taken.append(tier.take_failed_writes())
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                              # interleave the threads as much as possible
+    try:
+        taker = threading.Thread(target=take)
+        taker.start()
+        small = payload(1)
+        for key in keys:
+            tier.put(key, [key], small)
+        done.set()
+        taker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    taken.append(tier.take_failed_writes())
+    reported = [k for batch in taken for k in batch]
+    assert len(reported) == len(keys) and set(reported) == set(keys)
     tier.close()

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
-from kvreel.scheduler.shaper import Shaper
+from bench.shaper import Shaper
 
 VIDEO = [Candidate("video@256", 4_000_000, 0.030), Candidate("video@512", 3_600_000, 0.020),
          Candidate("raw", 9_000_000, 0.002)]
@@ -75,7 +75,7 @@ def test_shaper_limits_throughput_and_passes_bytes_unchanged():
 
 
 def test_token_bucket_passes_sends_larger_than_its_burst_at_the_set_rate():
-    from kvreel.scheduler.shaper import TokenBucket
+    from bench.shaper import TokenBucket
     bucket = TokenBucket(rate_Bps=4e6, burst=64 * 1024)
     t0 = time.monotonic()
     for _ in range(8):

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvreel.connector.block_copy import KVView
-from kvreel.connector.remote_tier import RemoteTier, form_key
+from kvreel.codec.formats import StoreKeys
+from kvreel.codec.forms import KVView, StoredForms
+from kvreel.connector.tiers.remote import RemoteLookups, RemoteTier
 from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
 from kvreel.scheduler.fetch_controller import FetchController
 
@@ -19,9 +20,29 @@ SPEC = SimpleNamespace(num_kv_heads=2, head_size=64, block_size=16, dtype=torch.
 SHAPE = torch.Size([3, 2, 2 * 16 * 2 * 64 * 2])      # regions, blocks, block_bytes
 
 
-def make_tier(tmp_path, forms=("raw", "zstd")):
+KEYS = StoreKeys("model-x")
+
+
+def make_tier(tmp_path, forms=("raw", "zstd"), quant="none"):
     view = KVView(SHAPE[2], SPEC) if "video" in forms else None
-    return RemoteTier(f"file://{tmp_path}", "model-x", 2.0, 16, forms=forms, resolutions=(256,), kv_view=view)
+    stored = StoredForms("model-x", kinds=forms, quant=quant, resolutions=(256,), kv_view=view)
+    return RemoteTier(f"file://{tmp_path}", stored, 2.0, 16)
+
+
+class Collect:
+    """A fetch sink that records every chunk (and, with ``parts``, every part)."""
+
+    def __init__(self, done=None, parts=None):
+        self.results, self.parts, self._done = {}, parts, done
+
+    def part(self, index, first, rows):
+        if self.parts is not None:
+            self.parts.setdefault(index, []).append((first, rows.cpu().clone()))
+
+    def done(self, result):
+        self.results[result.index] = result
+        if self._done is not None:
+            self._done(result)
 
 
 def upload(tier, n, seed=0):
@@ -29,7 +50,7 @@ def upload(tier, n, seed=0):
     for i in range(n):
         key = bytes([seed, i]) * 16
         payload = synthetic_payload(SHAPE, seed=seed * 100 + i)
-        tier.submit_upload(key, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload)
+        tier.put(key, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload)
         keys.append(key)
         payloads.append(payload)
     tier._queue.join()
@@ -38,8 +59,8 @@ def upload(tier, n, seed=0):
 
 def profile_for(tmp_path, tier, forms):
     profile = DecodeProfile("test-machine", tmp_path / "profile.json")
-    profile.measure(forms, lambda: tier.encode_forms([bytes(32)] * SHAPE[1], synthetic_payload(SHAPE)),
-                    tier.decode_form, repeats=1)
+    profile.measure(forms, lambda: tier.forms.encode([bytes(32)] * SHAPE[1], synthetic_payload(SHAPE)),
+                    tier.forms.decode, repeats=1)
     return profile
 
 
@@ -74,11 +95,11 @@ def test_concurrent_fetches_share_the_link_fairly_or_fcfs(tmp_path, policy):
             with lock:
                 got[keys[r.index]] = r.payload
         return record
-    ta = threading.Thread(target=ctrl.fetch, args=("A", a_keys, on_chunk(a_keys)))
+    ta = threading.Thread(target=ctrl.fetch, args=("A", a_keys, Collect(on_chunk(a_keys))))
     ta.start()
     while not ctrl._requests.get("A") or ctrl._requests["A"].jobs and len(ctrl._requests["A"].jobs) == 4:
         pass                                   # A's first transfer has started (and waits)
-    tb = threading.Thread(target=ctrl.fetch, args=("B", b_keys, on_chunk(b_keys)))
+    tb = threading.Thread(target=ctrl.fetch, args=("B", b_keys, Collect(on_chunk(b_keys))))
     tb.start()
     while ctrl._requests.get("B") is None:
         pass
@@ -119,12 +140,12 @@ def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
     assert ctrl.choose_form(manifest, None) == fastest
     for form in names:
         ctrl.fixed_form = form
-        out, parts = {}, {}
-        ctrl.fetch("r", keys, lambda r: out.__setitem__(r.index, (r.form, r.payload, r.error)),
-                   on_part=lambda i, first, rows: parts.setdefault(i, []).append((first, rows.cpu().clone())))
+        parts = {}
+        sink = Collect(parts=parts)
+        ctrl.fetch("r", keys, sink)
         for i, want in enumerate(data):
-            assert out[i][0] == form and out[i][2] is None
-            assert torch.equal(out[i][1], want)
+            assert sink.results[i].form == form and sink.results[i].error is None
+            assert torch.equal(sink.results[i].payload, want)
             # the parts handed on while decoding tile the chunk's regions, in order, exactly
             assert [first for first, _ in parts[i]] == list(range(0, SHAPE[0], 3 if form.startswith("video") else SHAPE[0]))
             assert torch.equal(torch.cat([rows for _, rows in parts[i]]), want)
@@ -136,7 +157,7 @@ def test_form_choice_follows_bandwidth_and_every_form_is_exact(tmp_path):
 def test_damaged_or_missing_form_falls_back_to_raw(tmp_path, fault):
     tier = make_tier(tmp_path / "store")
     keys, data = upload(tier, 1)
-    zpath = tmp_path / "store" / form_key("model-x", "zstd", keys[0])
+    zpath = tmp_path / "store" / KEYS.form("zstd", keys[0])
     if fault == "missing":
         zpath.unlink()
     else:
@@ -144,8 +165,9 @@ def test_damaged_or_missing_form_falls_back_to_raw(tmp_path, fault):
         blob[len(blob) // 2] ^= 0xFF
         zpath.write_bytes(bytes(blob))
     ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, fixed_form="zstd")
-    out = []
-    ctrl.fetch("r", keys, out.append)
+    sink = Collect()
+    ctrl.fetch("r", keys, sink)
+    out = sink.results
     assert out[0].form == "raw" and out[0].error is None and torch.equal(out[0].payload, data[0])
     assert not zpath.exists()
     ctrl.close()
@@ -155,8 +177,9 @@ def test_damaged_or_missing_form_falls_back_to_raw(tmp_path, fault):
 def test_missing_chunk_fails_in_bounded_time_without_hanging(tmp_path):
     tier = make_tier(tmp_path / "store")
     ctrl = FetchController(tier, DecodeProfile("t", None), streams=2)
-    out = []
-    assert ctrl.fetch("r", [b"\x07" * 32], out.append, timeout_s=10)
+    sink = Collect()
+    assert ctrl.fetch("r", [b"\x07" * 32], sink, timeout_s=10)
+    out = sink.results
     assert out[0].payload is None and "missing" in str(out[0].error)
     ctrl.close()
     tier.close()
@@ -177,11 +200,10 @@ def test_decode_profile_is_cached_per_machine_and_refined(tmp_path):
 
 
 def test_int8_video_form_stays_within_the_quantizer_bound(tmp_path):
-    tier = RemoteTier(f"file://{tmp_path}", "model-x", 2.0, 4, forms=("raw", "video"), quant="int8",
-                      resolutions=(256,), kv_view=KVView(SHAPE[2], SPEC))
+    tier = make_tier(tmp_path, forms=("raw", "video"), quant="int8")
     keys, data = upload(tier, 1)
-    got = tier.fetch(keys[0], "video@256")
-    assert tier.fetch(keys[0], "raw").equal(data[0])           # the exact form is still there
+    got = tier.get(keys[0], "video@256")
+    assert tier.get(keys[0], "raw").equal(data[0])             # the exact form is still there
     view = KVView(SHAPE[2], SPEC)
     want, out = view.to_kv(data[0]).float(), view.to_kv(got).float()
     # per (region, K/V, head, channel) min-max over tokens: error <= half a step, plus bf16 rounding
@@ -192,21 +214,21 @@ def test_int8_video_form_stays_within_the_quantizer_bound(tmp_path):
 
 
 def test_an_exact_reader_never_gets_a_quantized_video_form(tmp_path):
-    lossy = RemoteTier(f"file://{tmp_path}", "model-x", 2.0, 4, forms=("raw", "video"), quant="int8",
-                       resolutions=(256,), kv_view=KVView(SHAPE[2], SPEC))
+    lossy = make_tier(tmp_path, forms=("raw", "video"), quant="int8")
     keys, data = upload(lossy, 1)
     lossy.close()
     exact = make_tier(tmp_path, forms=("raw", "video"))
     ctrl = FetchController(exact, DecodeProfile("t", None), streams=1, fixed_form="video@256")
-    out = []
-    ctrl.fetch("r", keys, out.append)
+    sink = Collect()
+    ctrl.fetch("r", keys, sink)
+    out = sink.results
     assert out[0].form == "raw" and torch.equal(out[0].payload, data[0])    # not the int8 video
     # even a quantized container planted under the exact key is refused
-    planted = tmp_path / form_key("model-x", "video@256", keys[0])
+    planted = tmp_path / KEYS.form("video@256", keys[0])
     planted.parent.mkdir(parents=True, exist_ok=True)
-    planted.write_bytes((tmp_path / form_key("model-x", "video@256", keys[0], "int8")).read_bytes())
+    planted.write_bytes((tmp_path / KEYS.form("video@256", keys[0], "int8")).read_bytes())
     with pytest.raises(Exception, match="quantized 'int8'"):
-        exact.fetch(keys[0], "video@256")
+        exact.get(keys[0], "video@256")
     ctrl.close()
     exact.close()
 
@@ -215,11 +237,10 @@ def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
     """A request asks again about other blocks while its lookup is in flight (its
     local hit grew, it was preempted): the answer must be for the blocks asked."""
     import time
-    from kvreel.connector.remote_tier import RemoteLookups
     tier = make_tier(tmp_path / "store")
     key = b"\x05" * 32
     hashes = [bytes([9, j]) * 16 for j in range(SHAPE[1])]
-    tier.submit_upload(key, hashes, synthetic_payload(SHAPE))
+    tier.put(key, hashes, synthetic_payload(SHAPE))
     tier._queue.join()
     lookups = RemoteLookups(f"file://{tmp_path / 'store'}", "model-x", 2.0)
 

@@ -26,7 +26,8 @@ from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapp
 from lmcache.v1.distributed.serde.factory import create_serde_processor
 
 from conftest import free_port, run_scenario, tokens
-from kvreel.connector.lmcache.kv_object import KVObjectError, decode_object, encode_object
+from kvreel.codec.formats import ChunkError
+from kvreel.connector.lmcache.kv_object import decode_object, encode_object
 
 LAYOUT = MemoryLayoutDesc(shapes=[torch.Size([2, 2, 32, 128])], dtypes=[torch.bfloat16])
 
@@ -209,12 +210,12 @@ def test_kv_object_checks_everything_before_writing(form):
     }
     for what, bad in bad_cases.items():
         fresh = [torch.zeros_like(kv), torch.zeros_like(mla)]
-        with pytest.raises(KVObjectError):
+        with pytest.raises(ChunkError):
             decode_object(bad, "k", fresh)
         assert not any(t.view(torch.int16).any() for t in fresh), what
-    with pytest.raises(KVObjectError, match="belongs to key"):
+    with pytest.raises(ChunkError, match="belongs to key"):
         decode_object(data, "other", out)
-    with pytest.raises(KVObjectError, match="destination"):
+    with pytest.raises(ChunkError, match="destination"):
         decode_object(data, "k", [torch.zeros(2, 3, 16, 64, dtype=torch.bfloat16), torch.zeros_like(mla)])
 
 

@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from kvreel.connector.disk_tier import ChunkUnavailable
-from kvreel.connector.remote_tier import RemoteLookups, RemoteTier
-from kvreel.scheduler.shaper import Shaper
+from bench.shaper import Shaper
+from kvreel.codec.formats import ChunkUnavailable
+from kvreel.codec.forms import StoredForms
+from kvreel.connector.tiers.remote import RemoteLookups, RemoteTier
 
 ID = "model-r"
 KEY = b"\x05" * 32
@@ -25,12 +26,12 @@ def url(port):
 
 def test_write_behind_drains_on_close_and_round_trips(redis_server):
     _, port = redis_server
-    tier = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
+    tier = RemoteTier(url(port), StoredForms(ID), timeout_s=2, queue_size=8)
     data = payload()
-    assert tier.submit_upload(KEY, HASHES, data)
+    assert tier.put(KEY, HASHES, data)
     tier.close()                                          # a clean shutdown flushes the queue
-    reader = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
-    assert torch.equal(reader.fetch(KEY), data)
+    reader = RemoteTier(url(port), StoredForms(ID), timeout_s=2, queue_size=8)
+    assert torch.equal(reader.get(KEY), data)
     reader.close()
     lookups = RemoteLookups(url(port), ID, timeout_s=2)
     assert lookups.poll("r", HASHES + [b"\xee" * 32]) is None   # in flight
@@ -44,15 +45,15 @@ def test_write_behind_drains_on_close_and_round_trips(redis_server):
 @pytest.mark.parametrize("fault", ["cut mid-chunk", "too slow for the timeout"])
 def test_transport_faults_fail_the_load_in_bounded_time(redis_server, fault):
     _, port = redis_server
-    up = RemoteTier(url(port), ID, timeout_s=2, queue_size=8)
-    up.submit_upload(KEY, HASHES, payload())
+    up = RemoteTier(url(port), StoredForms(ID), timeout_s=2, queue_size=8)
+    up.put(KEY, HASHES, payload())
     up.close()
     kw = {"cut_after_bytes": 100_000} if fault == "cut mid-chunk" else {}
     rate = 1e9 if fault == "cut mid-chunk" else 20_000          # 20 kB/s: 512 KiB needs ~26 s
     with Shaper(("127.0.0.1", port), rate_Bps=rate, **kw) as proxy:
-        tier = RemoteTier(url(proxy.port), ID, timeout_s=0.5, queue_size=2)
+        tier = RemoteTier(url(proxy.port), StoredForms(ID), timeout_s=0.5, queue_size=2)
         t0 = time.monotonic()
         with pytest.raises(ChunkUnavailable, match="remote store"):
-            tier.fetch(KEY)
+            tier.get(KEY)
         assert time.monotonic() - t0 < 5
         tier.close(drain_timeout_s=1)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from kvreel.connector.remote_store import RemoteError, chunk_key, open_store
+from kvreel.codec.formats import StoreKeys
+from kvreel.connector.tiers.store import RemoteError, open_store
 
 
 @pytest.fixture(params=["redis", "file"])
@@ -21,7 +22,7 @@ def store(request, tmp_path):
 
 
 def test_round_trip_range_exists_delete(store):
-    key = chunk_key("model-a", bytes(range(32)))
+    key = StoreKeys("model-a").chunk(bytes(range(32)))
     data = bytes(range(256)) * 100
     assert store.get(key) is None
     store.put(key, data)

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvreel.codec import ChunkError, decode_chunk
-from kvreel.connector.disk_tier import MAGIC as FILE_MAGIC
-from kvreel.connector.disk_tier import ChunkFileError, read_chunk_file
-from kvreel.connector.remote_store import RemoteError, open_store
+from kvreel.codec.formats import CHUNK_FILE, read_chunk
+from kvreel.connector.tiers.store import RemoteError, open_store
 
 ROOT = Path(__file__).parents[1]
 
@@ -26,9 +25,9 @@ def test_oversized_headers_are_refused_before_reading_them(tmp_path):
     with pytest.raises(ChunkError, match="exceeds"):
         decode_chunk(huge + b"x" * 16)
     path = tmp_path / "f.kvr"
-    path.write_bytes(struct.pack("<4sHI", FILE_MAGIC, 1, 1 << 30) + b"x" * 16)
-    with pytest.raises(ChunkFileError, match="exceeds"):
-        read_chunk_file(path, "m")
+    path.write_bytes(struct.pack("<4sHI", CHUNK_FILE.magic, 1, 1 << 30) + b"x" * 16)
+    with pytest.raises(ChunkError, match="exceeds"), open(path, "rb") as f:
+        read_chunk(f, "m")
 
 
 def test_store_values_over_the_limit_are_not_fetched(redis_server):

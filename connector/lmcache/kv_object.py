@@ -1,6 +1,6 @@
 """kvreel's stored form of one LMCache KV object (one chunk of tokens).
 
-    framed header "KVRO" (JSON: key, one entry per kernel group) | sections...
+    frame "KVRO" (kvreel.codec.formats.LMCACHE_OBJECT; JSON: key, one entry per kernel group) | sections...
 
 Each group of the object (LMCache's ``[2, layers, tokens, hidden]`` KV, or any
 other tensor such as MLA's ``[layers, tokens, hidden]``) becomes one section:
@@ -27,18 +27,10 @@ from typing import Sequence
 import torch
 
 from kvreel.codec import ChunkError, decode_chunk, encode_chunk
-from kvreel.codec.container import framed_header, read_framed_header
+from kvreel.codec.formats import LMCACHE_OBJECT, RAW, VIDEO_FORM, ZSTD, frame, read_frame
 from kvreel.codec.quant import DTYPES, QUANTS
 
-MAGIC = b"KVRO"
-VERSION = 1
-MAX_HEADER_BYTES = 1 << 20
-FORMS = ("video", "zstd", "raw")
-
-
-class KVObjectError(ValueError):
-    """A stored object is damaged, truncated, foreign or of another shape."""
-
+FORMS = (VIDEO_FORM, ZSTD, RAW)      # the serde's choice, best compression first
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -71,52 +63,52 @@ def check_options(form: str, quant: str) -> None:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
-    if quant != "none" and form != "video":
+    if quant != "none" and form != VIDEO_FORM:
         raise ValueError(f"quant={quant!r} needs form='video' (zstd and raw are exact)")
 
 
-def encode_object(key: str, groups: Sequence[torch.Tensor], *, form: str = "video", quant: str = "none",
+def encode_object(key: str, groups: Sequence[torch.Tensor], *, form: str = VIDEO_FORM, quant: str = "none",
                   resolutions: Sequence[int] | None = None, encoder: str = "auto") -> bytes:
     check_options(form, quant)
     entries, sections = [], []
     for t in groups:
         t = t.detach().cpu().contiguous()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        kv = _as_kv(t) if form == "video" else None
+        kv = _as_kv(t) if form == VIDEO_FORM else None
         if kv is not None:
-            data, used = encode_chunk(kv, quant=quant, resolutions=resolutions, encoder=encoder), "video"
-        elif form == "raw":
-            data, used = raw, "raw"
+            data, used = encode_chunk(kv, quant=quant, resolutions=resolutions, encoder=encoder), VIDEO_FORM
+        elif form == RAW:
+            data, used = raw, RAW
         else:
-            data, used = _zstd().ZstdCompressor(level=3).compress(raw), "zstd"
+            data, used = _zstd().ZstdCompressor(level=3).compress(raw), ZSTD
         entries.append({"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "form": used,
                         "length": len(data), "scrc": zlib.crc32(data),
-                        "crc": zlib.crc32(raw) if used != "video" else None})
+                        "crc": zlib.crc32(raw) if used != VIDEO_FORM else None})
         sections.append(data)
     header = json.dumps({"key": key, "groups": entries}, separators=(",", ":")).encode()
-    return b"".join([framed_header(MAGIC, VERSION, header), *sections])
+    return b"".join([frame(LMCACHE_OBJECT, header), *sections])
 
 
 def _read_header(data) -> tuple[dict, int]:
-    stream = io.BytesIO(memoryview(data)[: MAX_HEADER_BYTES + 64])
-    raw = read_framed_header(stream.read, MAGIC, VERSION, MAX_HEADER_BYTES, KVObjectError, "kv object")
+    stream = io.BytesIO(memoryview(data)[: LMCACHE_OBJECT.max_header_bytes + 64])
+    raw = read_frame(stream.read, LMCACHE_OBJECT)
     try:
         header = json.loads(raw)
         for g in header["groups"]:
             int(g["length"])
     except (ValueError, KeyError, TypeError) as e:
-        raise KVObjectError(f"unreadable kv object header: {e}") from None
+        raise ChunkError(f"unreadable kv object header: {e}") from None
     return header, stream.tell()
 
 
 def object_length(data) -> int | None:
     """Total length of the kvreel object at the start of ``data``; None if
     ``data`` does not start with one (used to store serde buffers at their real size)."""
-    if bytes(memoryview(data)[:4]) != MAGIC:
+    if bytes(memoryview(data)[:4]) != LMCACHE_OBJECT.magic:
         return None
     try:
         header, base = _read_header(data)
-    except KVObjectError:
+    except ChunkError:
         return None
     return base + sum(int(g["length"]) for g in header["groups"])
 
@@ -126,15 +118,15 @@ def verify_object(data, key: str) -> list[tuple[dict, memoryview]]:
     the (group entry, section) pairs."""
     header, base = _read_header(data)
     if header.get("key") != key:
-        raise KVObjectError(f"kv object belongs to key {str(header.get('key'))[:80]!r}, not {key[:80]!r}")
+        raise ChunkError(f"kv object belongs to key {str(header.get('key'))[:80]!r}, not {key[:80]!r}")
     view, offset, out = memoryview(data), base, []
     for g in header["groups"]:
         section = view[offset: offset + int(g["length"])]
         offset += int(g["length"])
         if len(section) != int(g["length"]):
-            raise KVObjectError("truncated kv object")
+            raise ChunkError("truncated kv object")
         if zlib.crc32(section) != g.get("scrc"):
-            raise KVObjectError(f"kv object {g.get('form')} section checksum mismatch (damaged object)")
+            raise ChunkError(f"kv object {g.get('form')} section checksum mismatch (damaged object)")
         out.append((g, section))
     return out
 
@@ -143,11 +135,11 @@ def decode_object(data, key: str, out: Sequence[torch.Tensor], *, device: str | 
     """Verify ``data`` fully, then write its groups into ``out`` (same shapes/dtypes)."""
     sections = verify_object(data, key)
     if len(sections) != len(out):
-        raise KVObjectError(f"kv object has {len(sections)} groups, the destination {len(out)}")
+        raise ChunkError(f"kv object has {len(sections)} groups, the destination {len(out)}")
     decoded = []
     for (g, section), dst in zip(sections, out):
         if list(dst.shape) != list(g["shape"]) or g.get("dtype") != _dtype_name(dst.dtype):
-            raise KVObjectError(f"kv object group is {g['shape']} {g.get('dtype')}, "
+            raise ChunkError(f"kv object group is {g['shape']} {g.get('dtype')}, "
                                 f"the destination {list(dst.shape)} {dst.dtype}")
         decoded.append(_decode_group(g, section, dst, device))
     for src, dst in zip(decoded, out):
@@ -156,26 +148,26 @@ def decode_object(data, key: str, out: Sequence[torch.Tensor], *, device: str | 
 
 def _decode_group(g: dict, section: memoryview, dst: torch.Tensor, device) -> torch.Tensor:
     form = g.get("form")
-    if form == "video":
+    if form == VIDEO_FORM:
         try:
             kv = decode_chunk(section, device=device)
         except ChunkError as e:
-            raise KVObjectError(f"kv object video section: {e}") from None
+            raise ChunkError(f"kv object video section: {e}") from None
         expect = _as_kv(torch.empty(dst.shape, dtype=dst.dtype, device="meta"))
         if expect is None or tuple(kv.shape) != tuple(expect.shape) or kv.dtype != dst.dtype:
-            raise KVObjectError(f"kv object video section is {tuple(kv.shape)}, expected {dst.shape}")
+            raise ChunkError(f"kv object video section is {tuple(kv.shape)}, expected {dst.shape}")
         return kv.squeeze(3).permute(1, 0, 2, 3)
-    if form == "zstd":
+    if form == ZSTD:
         try:
             raw = _zstd().ZstdDecompressor().decompress(section, max_output_size=dst.numel() * dst.element_size())
         except _zstd().ZstdError as e:
-            raise KVObjectError(f"kv object zstd section: {e}") from None
-    elif form == "raw":
+            raise ChunkError(f"kv object zstd section: {e}") from None
+    elif form == RAW:
         raw = section
     else:
-        raise KVObjectError(f"unknown kv object form {form!r}")
+        raise ChunkError(f"unknown kv object form {form!r}")
     if len(raw) != dst.numel() * dst.element_size() or zlib.crc32(raw) != g.get("crc"):
-        raise KVObjectError(f"kv object {form} section checksum mismatch (damaged object)")
+        raise ChunkError(f"kv object {form} section checksum mismatch (damaged object)")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dst.dtype).view(dst.shape) \
         if len(raw) else torch.empty(dst.shape, dtype=dst.dtype)
 
@@ -187,6 +179,6 @@ def object_groups(data) -> list[tuple[torch.Size, torch.dtype]]:
     for g in header["groups"]:
         dtype = getattr(torch, str(g.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
-            raise KVObjectError(f"kv object group has an unknown dtype {str(g.get('dtype'))[:40]!r}")
+            raise ChunkError(f"kv object group has an unknown dtype {str(g.get('dtype'))[:40]!r}")
         out.append((torch.Size(int(x) for x in g["shape"]), dtype))
     return out

@@ -20,7 +20,6 @@ an object evicted in between also loads as a miss.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +35,16 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from kvreel.connector.lmcache import serde  # registers the "kvreel" serde
-from kvreel.connector.lmcache.kv_object import (KVObjectError, decode_object, encode_object, group_tensors,
+from kvreel.connector.lmcache.kv_object import (decode_object, encode_object, group_tensors,
                                                 object_length, verify_object)
-from kvreel.connector.remote_store import RemoteError, delete_quietly, open_store
+from kvreel.codec.formats import ChunkError, lmcache_object_key
+from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
 
-logger = logging.getLogger("kvreel.lmcache")
+logger = logging.getLogger(__name__)
 
 
 def store_key(key: ObjectKey) -> str:
-    return "kvreel/lmcache/" + hashlib.sha256(serde.object_key_string(key).encode()).hexdigest()
+    return lmcache_object_key(serde.object_key_string(key), "mp")
 
 
 class KVReelL2AdapterConfig(L2AdapterConfigBase):
@@ -181,7 +181,7 @@ class KVReelL2Adapter(L2AdapterInterface):
                 bits.set(i)
             except RemoteError as e:
                 self._warn("load", e)
-            except KVObjectError as e:
+            except ChunkError as e:
                 self._warn(f"load of a damaged object {skey}", e)
                 delete_quietly(self.store, skey)
         if bits.popcount():
@@ -198,7 +198,7 @@ class KVReelL2Adapter(L2AdapterInterface):
             # the kvreel serde's byte buffer: the object lands verbatim (already
             # verified); the deserializer decodes it
             if len(data) > out.numel():
-                raise KVObjectError(f"kv object of {len(data)} bytes exceeds the {out.numel()}-byte buffer")
+                raise ChunkError(f"kv object of {len(data)} bytes exceeds the {out.numel()}-byte buffer")
             out[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return
         decode_object(data, key_str, groups, device=obj.raw_tensor.device)

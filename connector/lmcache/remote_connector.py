@@ -20,7 +20,6 @@ miss (logged, deleted), never wrong KV.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from typing import List, Optional
 
@@ -29,16 +28,17 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvreel.connector.lmcache.kv_object import (KVObjectError, check_options, decode_object, encode_object,
+from kvreel.connector.lmcache.kv_object import (check_options, decode_object, encode_object,
                                                 group_tensors, object_groups)
-from kvreel.connector.remote_store import RemoteError, delete_quietly, open_store
+from kvreel.codec.formats import ChunkError, lmcache_object_key
+from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
 
-logger = logging.getLogger("kvreel.lmcache")
+logger = logging.getLogger(__name__)
 PLUGIN = "kvreel"
 
 
 def store_key(key: CacheEngineKey) -> str:
-    return "kvreel/lmcache-v1/" + hashlib.sha256(key.to_string().encode()).hexdigest()
+    return lmcache_object_key(key.to_string(), "v1")
 
 
 class KVReelRemoteConnector(RemoteConnector):
@@ -92,13 +92,13 @@ class KVReelRemoteConnector(RemoteConnector):
                 return None
             try:
                 decode_object(data, key.to_string(), group_tensors(obj))
-            except KVObjectError:
+            except ChunkError:
                 obj.ref_count_down()
                 raise
             return obj
         except RemoteError as e:
             self._warn("get", e)
-        except KVObjectError as e:
+        except ChunkError as e:
             self._warn(f"get of a damaged object {skey}", e)
             delete_quietly(self.store, skey)
         return None

@@ -53,7 +53,7 @@ from kvreel.connector.retrieval.mosaic import MosaicSession
 from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, extend_clusters, frame_scores,
                                              hyperplanes, wicsum)
 
-logger = logging.getLogger("kvreel.dre")
+logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20            # JSON headers only; tensors go through shared memory
 MAX_TENSOR_BYTES = 1 << 30

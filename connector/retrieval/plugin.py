@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("kvreel.retrieval")
+logger = logging.getLogger(__name__)
 
 
 def register() -> None:

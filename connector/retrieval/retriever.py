@@ -19,12 +19,12 @@ import torch
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_service import DREClient, DREError, DREProcess
-from kvreel.connector.stats import KVReelStats
+from kvreel.connector.stats import KVReelStats, register_stats_source
 
 if TYPE_CHECKING:
     from kvreel.connector.retrieval.attention_backend import RetrievalAttentionImpl
 
-logger = logging.getLogger("kvreel.retrieval")
+logger = logging.getLogger(__name__)
 MAX_TABLES = 4096            # DRE tables kept per process (older ones are dropped)
 
 
@@ -54,6 +54,7 @@ class Retriever:
         # (layer, request's first block) -> (handle of the table the DRE holds for it, its history blocks)
         self._tables: OrderedDict[tuple[int, int], tuple[str, int]] = OrderedDict()
         self._prefetched: dict[tuple[int, int, str], Future] = {}     # (layer, owner, history) -> select
+        register_stats_source(self.take_stats)
 
     # -- the DRE connection --------------------------------------------------------
     def client(self) -> DREClient | None:
@@ -159,9 +160,3 @@ class Retriever:
             return None
         self.count("retrieval_steps", label="selected")
         return reply["tokens"]
-
-
-def take_retrieval_stats() -> KVReelStats | None:
-    """Counters of this process's retrieval attention (the connector exports them)."""
-    return Retriever._instance.take_stats() if Retriever._instance is not None else None
-

@@ -5,8 +5,9 @@
 * ``file:///path`` — a shared filesystem; keys map to files strictly inside the
   root (no path traversal), written atomically.
 
-Values are opaque bytes (kvreel's self-checking chunk containers); nothing read
-from a store is ever unpickled. Every value is size-limited both ways.
+Values are opaque bytes (kvreel's self-checking stored forms, keys from
+``kvreel.codec.formats.StoreKeys``); nothing read from a store is ever
+unpickled. Every value is size-limited both ways.
 """
 
 from __future__ import annotations
@@ -38,16 +39,6 @@ class RemoteStore(Protocol):
     def close(self) -> None: ...
 
 
-def chunk_key(identity: str, key: bytes) -> str:
-    """Store key of a chunk: the model identity first, so two models never mix."""
-    return f"kvreel/{identity}/c/{key.hex()}"
-
-
-def block_key(identity: str, block_hash: bytes) -> str:
-    """Store key of a block pointer (which chunk and row hold this block)."""
-    return f"kvreel/{identity}/b/{block_hash.hex()}"
-
-
 def delete_quietly(store: "RemoteStore", key: str) -> None:
     """Remove a damaged value so that lookups stop offering it; an unreachable
     store is not an error here (the value is refused on every read anyway)."""
@@ -77,7 +68,7 @@ class RedisStore:
         try:
             return fn(*args)
         except self._errors as e:
-            raise RemoteError(f"redis store {_safe(self.url)}: {type(e).__name__}: {e}") from None
+            raise RemoteError(f"redis store {redact_url(self.url)}: {type(e).__name__}: {e}") from None
 
     def put(self, key: str, data: bytes) -> None:
         _limit(len(data), self.max_value_bytes, key)
@@ -194,7 +185,7 @@ def _limit(size: int, limit: int, key: str) -> None:
         raise RemoteError(f"value of {key} is {size} bytes, over the {limit}-byte limit")
 
 
-def _safe(url: str) -> str:
+def redact_url(url: str) -> str:
     """The URL without its password, for log lines."""
     p = urlparse(url)
     return url.replace(p.password, "***") if p.password else url
@@ -206,4 +197,4 @@ def open_store(url: str, *, timeout_s: float = 2.0, max_value_bytes: int = 256 <
         return RedisStore(url, timeout_s=timeout_s, max_value_bytes=max_value_bytes)
     if scheme == "file":
         return FileStore(url, max_value_bytes=max_value_bytes)
-    raise ValueError(f"remote store URL must start with redis://, rediss:// or file://, got {_safe(url)!r}")
+    raise ValueError(f"remote store URL must start with redis://, rediss:// or file://, got {redact_url(url)!r}")
