@@ -156,18 +156,26 @@ SETTINGS: tuple[Setting, ...] = (
     _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once; as many decoders (NVDEC sessions or "
                  "CPU decode threads) decode behind them.", 1, 64),
     Setting("RETRIEVAL", str, "off", "off, resv or mosaic",
-            "Retrieval attention for long sequences: off (vLLM's attention, untouched), resv (hash-bit key "
-            "clusters, V-Rex) or mosaic (visual -> semantic clusters). Registered by kvreel's vLLM plugin.",
+            "Sessions longer than vLLM's KV memory: a long request's history moves to kvreel's host memory and "
+            "each layer attends to the sink, the history its DRE selects and the local window. off (vLLM "
+            "untouched), resv (hash-bit key clusters, V-Rex) or mosaic (visual -> semantic clusters). Needs "
+            "kvreel's connector; registered by kvreel's vLLM plugin (vLLM's CPU backend).",
             _one_of("off", "resv", "mosaic")),
     Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
-            "WiCSum ratio: clusters are kept until this share of the predicted attention mass; 1 keeps everything "
-            "(outputs identical to vLLM's).", lambda v: 0 < v <= 1),
-    _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Sequences shorter than this use full attention.", 0, 1 << 30),
-    _int_setting("RETRIEVAL_WINDOW", 256, "Local window: the newest tokens (beyond the step's own) always "
-                 "attended to, as are the first block's attention sinks.", 0, 1 << 30),
-    Setting("RETRIEVAL_DEADLINE_MS", float, 50.0, "a number of milliseconds in (0, 10000]",
-            "How long attention waits for the DRE's selection; later (or with the DRE down) that step uses "
-            "full attention.", lambda v: 0 < v <= 10000),
+            "WiCSum ratio: per KV head, history is kept in descending predicted attention mass until this share "
+            "of it; 1 keeps all of it (with a budget that holds it, outputs identical to vLLM's).",
+            lambda v: 0 < v <= 1),
+    _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Requests with fewer computed tokens keep all their KV in vLLM "
+                 "and attend fully; so does every position below this, for every request.", 0, 1 << 30),
+    _int_setting("RETRIEVAL_WINDOW", 256, "Local window: a long request's newest tokens (beyond the step's own), "
+                 "kept in vLLM's cache and always attended to, as is the first block (attention sinks).",
+                 0, 1 << 30),
+    _int_setting("RETRIEVAL_BUDGET_TOKENS", 4096, "Working set per long request and layer: the most history "
+                 "tokens (sink block included) attended to in one step, held in kvreel's buffer beside vLLM's "
+                 "cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),
+    Setting("RETRIEVAL_DEADLINE_MS", float, 20.0, "a number of milliseconds in (0, 10000]",
+            "How long a layer waits for the DRE's prediction; later (or with the DRE down) it keeps its previous "
+            "working set (a first one: the most recent history).", lambda v: 0 < v <= 10000),
     Setting("DRE_ADDRESS", _path_or_none, None, "a Unix-socket path or host:port (unset: the worker starts its own "
             "DRE on a private Unix socket)", "Where the DRE service listens (`kvreel dre --address ...`)."),
     Setting("DRE_SECRET_HEX", _hex_secret, None, "an even number of hex digits, at least 32",

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -120,7 +121,13 @@ class KVReelConnector(KVConnectorBase_V1):
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches):
-        self._worker.register_kv_caches(kv_caches, self._kv_cache_config)
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config,
+                                        self._vllm_config.scheduler_config.max_num_batched_tokens)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)       # before the forward pass (loads may start after it)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -139,7 +146,12 @@ class KVReelConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self._worker.get_finished(finished_req_ids)
+        _, done, _ = self._worker.get_finished(finished_req_ids)
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, done, failed = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -38,10 +38,22 @@ class LoadPiece:
 
 
 @dataclass
+class HistoryPiece:
+    """Rows ``[first, first + n)`` of chunk ``key`` are blocks ``first_block...`` of a
+    long request's history: they go to its history store, not into vLLM's cache."""
+    key: bytes
+    tier: Tier
+    first: int
+    n: int
+    first_block: int
+
+
+@dataclass
 class LoadOp:
     req_id: str
     pieces: list[LoadPiece]
     is_async: bool
+    history: list[HistoryPiece] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +61,7 @@ class KVReelMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     evictions: dict[Tier, list[bytes]] = field(default_factory=dict)
+    history: object | None = None      # retrieval's HistoryStep, when KVREEL_RETRIEVAL is on
 
 
 @dataclass

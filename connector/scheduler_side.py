@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvreel.codec.formats import ChunkError
 from kvreel.connector.config import KVReelConfig, format_bytes
-from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece, StoreOp
+from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece, StoreOp
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
 from kvreel.connector.tiers.disk import scan_chunk_files
@@ -109,6 +109,11 @@ class KVReelScheduler:
         self._remote_plans: dict[str, list[tuple[bytes, int]]] = {}
         self.remote = None
         self.blocking = cfg.fetch_mode == "blocking"
+        self.history = None
+        if cfg.retrieval != "off":
+            from kvreel.connector.retrieval.history_plan import HistoryPlanner
+            self.history = HistoryPlanner(block_size, cfg.retrieval_window, cfg.retrieval_min_tokens)
+        self._history_skip: dict[str, int] = {}
         if cfg.remote_url:
             from kvreel.connector.tiers.remote import RemoteLookups
             self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
@@ -152,6 +157,7 @@ class KVReelScheduler:
         n = 0
         while n < limit and hashes[n] in self.index:
             n += 1
+        held_from_zero = n
         start = num_computed_tokens // self.block_size
         n = max(n, start)               # blocks below `start` are in vLLM's own cache already
         local_end = n
@@ -165,10 +171,18 @@ class KVReelScheduler:
         if not st.counted_lookup and limit > n:
             st.counted_lookup = True
             self.stats.add("lookup_miss_blocks", limit - n)
+        skip = 0
+        if self.history is not None:
+            # a long prefix kvreel holds from block 0 comes into the history, not into vLLM's cache
+            # (only with something to load: the history arrives with the request's other loads)
+            held = min(held_from_zero, local_end) if n > start and not self.blocking else 0
+            skip = self.history.admission_skip(request.request_id, n * self.block_size, held)
         if n <= start:
             return 0, False
         self._planned[request.request_id] = (start, local_end)
-        needs_async = n > local_end or any(HOST not in self.index[h][0].tiers for h in hashes[start:local_end])
+        self._history_skip[request.request_id] = skip
+        needs_async = n > local_end or skip > 0 or \
+            any(HOST not in self.index[h][0].tiers for h in hashes[start:local_end])
         return (n - start) * self.block_size, needs_async and not self.blocking
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -182,7 +196,9 @@ class KVReelScheduler:
         first_remote = plan[1]
         pieces: list[LoadPiece] = []
         chunks: list[Chunk] = []
-        for i in range(start, end):
+        skip = self._history_skip.pop(request.request_id, 0)
+        history = self._plan_history_loads(request, skip, chunks)
+        for i in range(max(start, skip), end):
             if i >= first_remote:
                 key, row = remote[i - first_remote]
                 last = pieces[-1] if pieces else None
@@ -206,7 +222,7 @@ class KVReelScheduler:
                     budget.touch(chunk)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
-        is_async = any(p.tier != HOST for p in pieces) and not self.blocking
+        is_async = (any(p.tier != HOST for p in pieces) or bool(history)) and not self.blocking
         if is_async:
             self._async_pins[request.request_id] = chunks
         else:
@@ -214,7 +230,30 @@ class KVReelScheduler:
         # blocks loaded from the remote tier are saved into the local tiers once
         # the request runs (they are valid in its blocks then)
         st.saved_upto = max(st.saved_upto, min(end, first_remote))
-        self._loads.append(LoadOp(request.request_id, pieces, is_async))
+        self._loads.append(LoadOp(request.request_id, pieces, is_async, history))
+        if self.history is not None:
+            self.history.admitted(request.request_id, skip)
+
+    def _plan_history_loads(self, request, skip: int, chunks: list[Chunk]) -> list[HistoryPiece]:
+        """Blocks ``[0, skip)`` of an admitted long prefix, from kvreel's local
+        tiers into the request's history (their chunks pinned with the rest)."""
+        pieces: list[HistoryPiece] = []
+        for i in range(skip):
+            chunk, row = self.index[request.block_hashes[i]]
+            tier = HOST if HOST in chunk.tiers else DISK
+            last = pieces[-1] if pieces else None
+            if last and last.key == chunk.key and last.first + last.n == row:
+                last.n += 1
+                continue
+            pieces.append(HistoryPiece(chunk.key, tier, row, 1, i))
+            if chunk not in chunks:
+                chunks.append(chunk)
+                chunk.pins += 1
+                for budget in self.budgets.values():
+                    budget.touch(chunk)
+        for p in pieces:
+            self.stats.add("lookup_hit_blocks", p.n, p.tier)
+        return pieces
 
     def planned_tokens_by_tier(self, req_id: str) -> dict[Tier, int]:
         """Tokens of this step's load for ``req_id``, per tier (vLLM's hit-source metrics)."""
@@ -245,7 +284,8 @@ class KVReelScheduler:
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         self._plan_promotions()
         self._skip_zeroing_of_sync_loads(scheduler_output)
-        meta = KVReelMetadata(self._loads, [op for op in self._stores.values() if op.tiers], self._evictions)
+        meta = KVReelMetadata(self._loads, [op for op in self._stores.values() if op.tiers], self._evictions,
+                              self.history.take_step() if self.history is not None else None)
         for chunk in self._sync_pins:
             chunk.pins -= 1
         self._loads, self._stores, self._evictions = [], {}, {}
@@ -286,6 +326,8 @@ class KVReelScheduler:
         boundary. Storing at once means vLLM never has to keep a finished
         request's blocks alive for a late save, so kvreel does not change
         vLLM's scheduling."""
+        if self.history is not None:
+            self.history.plan(st.request.request_id, computed_after, st.block_ids)
         hashes = st.request.block_hashes
         full = min(computed_after // self.block_size, len(hashes), len(st.block_ids))
         i = st.saved_upto
@@ -365,6 +407,8 @@ class KVReelScheduler:
 
     # -- feedback from the workers -------------------------------------------
     def update_connector_output(self, output) -> None:
+        if self.history is not None:
+            self.history.confirm()
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVReelWorkerMeta):
             disk = self.budgets.get(DISK)
@@ -390,6 +434,9 @@ class KVReelScheduler:
     def request_finished(self, request) -> None:
         self.reqs.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
+        self._history_skip.pop(request.request_id, None)
+        if self.history is not None:
+            self.history.forget(request.request_id)
         self._remote_plans.pop(request.request_id, None)
         if self.remote is not None:
             self.remote.forget(request.request_id)

@@ -15,7 +15,7 @@ import torch
 from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
+from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
 from kvreel.connector.stats import KVReelStats, collect_registered_stats
 from kvreel.connector.tiers import ChunkTier, Tier
 from kvreel.connector.tiers.disk import DiskTier
@@ -38,12 +38,24 @@ class KVReelWorker:
         self._async: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._bad_keys: set[bytes] = set()
         self._reported_bad: set[bytes] = set()
         self.stats = KVReelStats()
+        self.retrieval = None           # the retrieval runtime (KVREEL_RETRIEVAL), imported only when on
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config,
+                           max_batched_tokens: int) -> None:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
+        if self.cfg.retrieval != "off":
+            from kvreel.connector.retrieval.runtime import RetrievalRuntime
+            self.retrieval = RetrievalRuntime.get()
+            self.retrieval.register_caches(kv_caches, kv_cache_config.kv_cache_groups[0].kv_cache_spec,
+                                           max_batched_tokens)
+            if len(self.pages.regions) != self.retrieval.num_layers:
+                raise RuntimeError("kvreel: KVREEL_RETRIEVAL needs one KV cache tensor per layer "
+                                   f"(this engine packs {self.retrieval.num_layers} layers into "
+                                   f"{len(self.pages.regions)} regions)")
         if self.cfg.disk_dir:
             self.tiers[Tier.DISK] = DiskTier(self.cfg.disk_dir, self.identity, self.rank,
                                              self.cfg.disk_write_queue, on_error=self._on_disk_error)
@@ -79,6 +91,11 @@ class KVReelWorker:
         self._disk_disabled = msg
 
     # -- loads ---------------------------------------------------------------
+    def bind(self, meta: KVReelMetadata) -> None:
+        """The step's plan, before its forward pass: which rows attend to an offloaded history."""
+        if self.retrieval is not None and meta.history is not None:
+            self.retrieval.begin_step(meta.history.rows, meta.history.dropped)
+
     def start_load_kv(self, meta: KVReelMetadata) -> None:
         for tier, keys in meta.evictions.items():
             if tier in self.tiers:
@@ -92,6 +109,12 @@ class KVReelWorker:
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
+        for piece in op.history:
+            try:
+                self._load_history(op.req_id, piece)
+            except ChunkError as e:
+                self._history_failed(op.req_id, piece, e)
+                return              # vLLM recomputes the request from scratch
         remote = [p for p in op.pieces if p.tier == Tier.REMOTE]
         for piece in op.pieces:
             if piece.tier == Tier.REMOTE:
@@ -113,6 +136,38 @@ class KVReelWorker:
                     self._failed(piece, ChunkUnavailable("remote tier is not configured on this worker"))
             else:
                 self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, remote))
+
+    def _load_history(self, req_id: str, piece: HistoryPiece) -> None:
+        """Blocks of an admitted long prefix, from a local tier into the request's history."""
+        t0 = time.perf_counter()
+        tier = self.tiers.get(piece.tier)
+        if tier is None or self.retrieval is None:
+            raise ChunkUnavailable(f"the {piece.tier.value} tier is disabled")
+        data = tier.get(piece.key)
+        if data.dim() != 3 or data.shape[0] != len(self.pages.regions) or data.shape[1] < piece.first + piece.n \
+                or data.shape[2] != self.pages.block_bytes:
+            raise ChunkError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
+        rows = data[:, piece.first:piece.first + piece.n]
+        self.retrieval.add_history(req_id, piece.first_block, [self.retrieval.as_pages(r) for r in rows])
+        with self._lock:
+            self.stats.add("loaded_bytes", piece.n * self.pages.bytes_per_block, piece.tier)
+            self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
+            self.stats.add("load_count", 1, piece.tier)
+
+    def _history_failed(self, req_id: str, piece: HistoryPiece, e: ChunkError) -> None:
+        """History that cannot be brought back is never attended to: the request
+        is reported as a failed load, and vLLM recomputes it from its start
+        (without the damaged chunk, which the scheduler forgets)."""
+        with self._lock:
+            self._failed_requests.add(req_id)
+            self._bad_keys.add(piece.key)
+            if not isinstance(e, ChunkUnavailable):
+                self.stats.add("corrupt_chunks", label=piece.tier)
+            self.stats.add("load_errors", piece.n)
+        if self.retrieval is not None:
+            self.retrieval.drop(req_id)
+        logger.warning("kvreel: could not load the history of request %s (%s chunk %s: %s); "
+                       "it is recomputed from its start", req_id, piece.tier.value, piece.key.hex()[:16], e)
 
     def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
         """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
@@ -147,6 +202,11 @@ class KVReelWorker:
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
         assert self.pages is not None
+        if self.retrieval is not None and meta.history is not None:
+            for op in meta.history.appends:
+                self.retrieval.append_history(op.req_id, op.first_block, op.block_ids)
+            for req_id in {op.req_id for op in meta.history.appends}:
+                self.retrieval.compact(req_id)
         for op in meta.stores:
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)
@@ -158,11 +218,15 @@ class KVReelWorker:
                 self.stats.add("save_count")
 
     # -- reporting -------------------------------------------------------------
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) request ids."""
         done = {rid for rid, fut in self._async.items() if fut.done()}
         for rid in done:
             self._async.pop(rid).result()  # re-raise bugs, never swallow them
-        return None, done or None
+        with self._lock:
+            failed = self._failed_requests & done
+            self._failed_requests -= failed
+        return set(), done, failed
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

@@ -1,11 +1,11 @@
-"""The retrieval attention impl on vLLM's real CPU kernels, outside an engine:
-a long sequence attends exactly to its sink block, the blocks the DRE kept and
-the window (checked against attention computed in float32 over those tokens),
-through a block table whose physical blocks are out of order."""
+"""Retrieval attention on vLLM's real CPU kernels, outside an engine: a long
+request whose history lives in kvreel (its pages copied out, as the connector
+does) attends exactly as vLLM does over its own cache when every history page
+is kept, and to the sink, the kept slabs and the resident blocks otherwise;
+short requests in the same batch are untouched."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,84 +15,121 @@ BS, H, G, D = 32, 2, 2, 64
 
 
 @pytest.fixture
-def impl(tiny_model, monkeypatch):
+def setup(tiny_model, monkeypatch):
     monkeypatch.delenv("KVREEL_TEST_MODEL_CACHE", raising=False)    # not a kvreel setting
-    for k, v in {"KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_ALPHA": "0.8", "KVREEL_RETRIEVAL_MIN_TOKENS": "64",
-                 "KVREEL_RETRIEVAL_WINDOW": "32", "KVREEL_RETRIEVAL_DEADLINE_MS": "10000"}.items():
+    for k, v in {"KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_ALPHA": "1", "KVREEL_RETRIEVAL_MIN_TOKENS": "64",
+                 "KVREEL_RETRIEVAL_WINDOW": "32", "KVREEL_RETRIEVAL_BUDGET_TOKENS": "1024"}.items():
         monkeypatch.setenv(k, v)
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
 
     from kvreel.connector.retrieval.attention_backend import RetrievalAttentionImpl
-    from kvreel.connector.retrieval.retriever import Retriever
-    Retriever._instance = None
-    with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=tiny_model))):
-        yield RetrievalAttentionImpl(num_heads=H * G, head_size=D, scale=D ** -0.5, num_kv_heads=H,
-                                     alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    retriever = Retriever._instance
-    if retriever._process is not None:
-        retriever._process.stop()
-    Retriever._instance = None
+    from kvreel.connector.retrieval.runtime import RetrievalRuntime
+    RetrievalRuntime._instance = None
+    config = VllmConfig(model_config=ModelConfig(model=tiny_model), kv_transfer_config=KVTransferConfig(
+        kv_connector="KVReelConnector", kv_connector_module_path="kvreel.connector", kv_role="kv_both"))
+    with set_current_vllm_config(config):
+        impl = RetrievalAttentionImpl(num_heads=H * G, head_size=D, scale=D ** -0.5, num_kv_heads=H,
+                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+        yield impl, RetrievalRuntime._instance
+    RetrievalRuntime._instance = None
 
 
-def test_long_sequence_attends_to_sink_selected_and_window_blocks_exactly(impl):
+def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Generator):
+    """Two requests in one cache with shuffled physical blocks; their KV written by vLLM's op."""
     from vllm import _custom_ops as ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
-    g = torch.Generator().manual_seed(0)
-    T, num_blocks = 10 * BS + 1, 16                       # 10 full blocks + the decoded token
-    row = torch.tensor([15, 3, 9, 1, 12, 7, 0, 5, 11, 2, 14], dtype=torch.int32)   # logical -> physical
-    slots = (row.long()[torch.arange(T) // BS] * BS + torch.arange(T) % BS)
-    # keys in 4 directions, half the blocks share the query's: the DRE can tell them apart
-    centers = torch.randn(4, H, D, generator=g)
-    key = (centers[(torch.arange(T) // BS) % 4] + 0.3 * torch.randn(T, H, D, generator=g)).bfloat16()
-    value = torch.randn(T, H, D, generator=g)
-    value[(torch.arange(T) // BS) % 4 != 0] += 100         # what the cut drops is large: dropping it shows
-    value = value.bfloat16()
-    query = (centers[0].repeat_interleave(G, 0) + 0.3 * torch.randn(H * G, D, generator=g)).bfloat16().unsqueeze(0)
     isa = _get_attn_isa(torch.bfloat16, BS, D, "auto")
     layer = SimpleNamespace(isa=isa, layer_name="model.layers.0.self_attn.attn", _k_scale_float=1.0,
                             _v_scale_float=1.0)
-    kv_cache = torch.zeros(num_blocks, H, BS, 2 * D, dtype=torch.bfloat16)
-    impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
-
-    seq_lens, qsl = torch.tensor([T], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-    block_table = torch.zeros(1, num_blocks, dtype=torch.int32)
-    block_table[0, :len(row)] = row
+    cache = torch.zeros(num_blocks, H, BS, 2 * D, dtype=torch.bfloat16)
+    physical = torch.randperm(num_blocks - 1, generator=g) + 1
+    rows, used = [], 0
+    width = max(-(-s // BS) for s in seq_lens)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for r, s in enumerate(seq_lens):
+        n = -(-s // BS)
+        table[r, :n] = physical[used:used + n]
+        used += n
+        slots = table[r].long()[torch.arange(s) // BS] * BS + torch.arange(s) % BS
+        k, v = torch.randn(s, H, D, generator=g).bfloat16(), torch.randn(s, H, D, generator=g).bfloat16()
+        ops.cpu_attn_reshape_and_cache(k, v, *cache.view(num_blocks, H, 2 * BS, D).chunk(2, dim=2), slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        rows.append(table[r])
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
     meta = CPUAttentionMetadata(
-        num_actual_tokens=1, max_query_len=1, query_start_loc=qsl, max_seq_len=T, seq_lens=seq_lens,
-        block_table=block_table, slot_mapping=slots[-1:], causal=True,
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl, max_seq_len=max(seq_lens),
+        seq_lens=seq, block_table=table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), causal=True,
         scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=seq_lens, dtype=torch.bfloat16,
+            num_reqs=len(seq_lens), num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.bfloat16,
             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto"))
+    query = torch.randn(int(qsl[-1]), H * G, D, generator=g).bfloat16()
+    return layer, cache, meta, query
 
-    cut = impl._retrieval_metadata(layer, query, kv_cache, meta)
-    kept_physical = cut.block_table[0, :-(-int(cut.seq_lens[0]) // BS)].tolist()
-    kept_logical = [row.tolist().index(b) for b in kept_physical]
-    assert kept_logical == sorted(kept_logical)                       # positions stay in order
-    assert kept_logical[0] == 0 and kept_logical[-2:] == [9, 10]      # sink block, window + own token
-    assert 3 < len(kept_logical) < len(row)                           # some history dropped, some kept
-    assert {0, 4, 8} <= set(kept_logical)                             # the query's direction was kept
-    assert int(cut.seq_lens[0]) == T - BS * (len(row) - len(kept_logical))
 
-    # a prefill chunk that starts below the threshold attends fully: KV below it stays exact
-    # (threshold 200, chunk = positions 171-320: history 1-4 could be cut, but positions 171-199 must not)
-    cfg = impl.retriever.cfg
-    impl.retriever.cfg = dataclasses.replace(cfg, retrieval_min_tokens=200)
-    chunk = torch.tensor([0, 150], dtype=torch.int32)
-    prefill = dataclasses.replace(meta, query_start_loc=chunk, num_actual_tokens=150, max_query_len=150)
-    assert impl._retrieval_metadata(layer, query.expand(150, -1, -1).contiguous(), kv_cache, prefill) is prefill
-    impl.retriever.cfg = cfg
+def _offload(runtime, cache, meta, row: int, req_id: str, blocks: int) -> None:
+    """What the connector does for a long request: its first ``blocks`` blocks go
+    to its history, and the block of its newest token names its row."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    if not runtime.caches:
+        runtime.register_caches({"model.layers.0.self_attn.attn": cache}, spec, max_batched_tokens=256)
+    ids = meta.block_table[row, :blocks].tolist()
+    runtime.append_history(req_id, 0, ids)
+    newest = int(meta.block_table[row, (int(meta.seq_lens[row]) - 1) // BS])
+    runtime.begin_step({**runtime.rows, newest: req_id}, [])
 
-    output = torch.zeros(1, H * G, D, dtype=torch.bfloat16)
-    impl.forward(layer, query, key[-1:], value[-1:], kv_cache, meta, output)
-    tokens = torch.cat([torch.arange(b * BS, min((b + 1) * BS, T)) for b in kept_logical])
-    k = key[tokens].float().repeat_interleave(G, 1)                   # [n, H*G, D]
-    v = value[tokens].float().repeat_interleave(G, 1)
-    weights = torch.softmax(torch.einsum("hd,nhd->hn", query[0].float(), k) * D ** -0.5, dim=-1)
-    want = torch.einsum("hn,nhd->hd", weights, v)
-    assert torch.allclose(output[0].float(), want, atol=1e-2, rtol=1e-2)
-    full_w = torch.softmax(torch.einsum("hd,nhd->hn", query[0].float(), key.float().repeat_interleave(G, 1))
-                           * D ** -0.5, dim=-1)
-    full = torch.einsum("hn,nhd->hd", full_w, value.float().repeat_interleave(G, 1))
-    assert (want - full).abs().max() > 0.05                           # the cut is visible in the output
+
+def test_all_history_kept_is_bit_identical_to_vllm_over_its_own_cache(setup):
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(0)
+    # a long request decoding (row 0), a long one in a prefill chunk (row 2), a short one (row 1)
+    layer, cache, meta, query = _batch([10 * BS + 5, 3 * BS + 1, 12 * BS], [1, 1, 70], 64, g)
+    want = torch.zeros(query.shape, dtype=torch.bfloat16)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, cache, meta, want)
+    _offload(runtime, cache, meta, 0, "long-decode", blocks=9)
+    _offload(runtime, cache, meta, 2, "long-prefill", blocks=7)
+    for _ in range(2):                    # a second step reuses the working sets
+        got = torch.zeros(query.shape, dtype=torch.bfloat16)
+        impl.forward(layer, query, None, None, cache, meta, got)
+        assert torch.equal(got, want)
+    # the offloaded pages are gone from vLLM's cache (freed and reused): attention must not read them
+    for row, n in ((0, 9), (2, 7)):
+        cache[meta.block_table[row, :n].long()] = 7
+    got = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, got)
+    assert torch.equal(got, want)
+    assert runtime.take_stats().data["retrieval_steps|exact"] == 6
+
+
+def test_selected_history_is_what_attention_reads(setup):
+    from kvreel.connector.retrieval.runtime import WorkingSet
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(1)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.exact = False                 # alpha < 1: the DRE's predictions choose (here: given)
+    runtime._started = runtime._restarting = True           # and no DRE: the working set stays as filled
+    lh = runtime.histories["r"].layers[0]
+    keep = torch.tensor([[2, 7, 11], [4, 7, 12]])         # per head: slabs (history blocks 3, 8, 12 / 5, 8, 13)
+    ws = runtime.working["r", 0] = WorkingSet(torch.zeros(64, H, 2 * BS, D, dtype=torch.bfloat16))
+    runtime._fill(ws, lh, keep, prediction=5)
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, out)
+    # float32 attention over exactly: sink block, the kept blocks of each head, the resident blocks 14-16
+    pages = cache.view(40, H, 2 * BS, D)
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    k_all, v_all = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    for h in range(H):
+        blocks = [0] + [s + 1 for s in keep[h].tolist()] + [14, 15, 16]
+        tokens = torch.cat([torch.arange(b * BS, min((b + 1) * BS, 16 * BS + 3)) for b in blocks])
+        k, v = k_all[tokens, h].float(), v_all[tokens, h].float()
+        q = query[0, h * G:(h + 1) * G].float()
+        w = torch.softmax(q @ k.T * D ** -0.5, dim=-1)
+        assert torch.allclose(out[0, h * G:(h + 1) * G].float(), w @ v, atol=2e-2, rtol=2e-2)
+    assert ws.slabs is not None and torch.equal(ws.slabs, keep)          # nothing replaced it
+    assert runtime.take_stats().data["retrieval_steps|dre_down"] == 1

@@ -18,9 +18,12 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
-             max_num_seqs: int = 16, max_model_len: int = 4096, connector: dict | None = None):
+             max_num_seqs: int = 16, max_model_len: int | None = None, connector: dict | None = None,
+             max_num_batched_tokens: int | None = None):
     """An engine with kvreel (``kvreel``: its extra config) or another connector
-    (``connector``: a whole kv_transfer_config), or neither."""
+    (``connector``: a whole kv_transfer_config), or neither. With ``num_blocks``
+    the model length defaults to what those blocks hold (a long session with its
+    history in kvreel may be longer: pass ``max_model_len``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
     kw = {}
@@ -30,7 +33,10 @@ def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, 
         kw["kv_transfer_config"] = KVTransferConfig(**connector)
     if num_blocks:
         kw["num_gpu_blocks_override"] = num_blocks
-        max_model_len = min(max_model_len, (num_blocks - 1) * block_size)
+    if max_model_len is None:
+        max_model_len = min(4096, (num_blocks - 1) * block_size) if num_blocks else 4096
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
     return LLM(model, enforce_eager=True, block_size=block_size, max_model_len=max_model_len,
                gpu_memory_utilization=0.05, max_num_seqs=max_num_seqs, seed=0,
                disable_log_stats=False, **kw)
@@ -98,16 +104,16 @@ def scenario(args: dict) -> dict:
     model = args["model"]
     kvreel = args.get("kvreel")
     out = {"phases": []}
-    llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
-                   max_num_seqs=args.get("max_num_seqs", 16), connector=args.get("connector"))
+    engine = {k: args[k] for k in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
+              if k in args}
+    llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
     for phase in args["phases"]:
         action = phase.get("before")
         if action == "reset_prefix_cache":
             assert llm.reset_prefix_cache()
         elif action == "restart":
             close(llm)
-            llm = make_llm(model, kvreel=kvreel, num_blocks=args.get("num_blocks"),
-                           max_num_seqs=args.get("max_num_seqs", 16))
+            llm = make_llm(model, kvreel=kvreel, **engine)
         elif action and action.startswith("kill:"):
             kill_matching(action[len("kill:"):])
         elif action and action.startswith("shell:"):

@@ -7,19 +7,20 @@ them into a POSIX shared-memory segment and names it, the receiver copies them
 out. Nothing is pickled. With a shared secret, a connection must first prove it
 (HMAC of a server nonce) before any request is served.
 
-Requests (each answered once, in any order, matched by ``id``):
+Requests (each answered once, in any order, matched by ``id``), one table per
+``handle`` (a request's layer, all its KV heads):
 
-* ``cluster``  keys [T, D] of one (session, layer, head), or [heads, T, D], and
-  ``method`` resv (HC table) or mosaic (centroid index) -> kept by the service
-  under that handle; reply: cluster count.
-* ``extend``   ``base`` handle and the keys of the tokens that follow its
-  history -> the grown table under ``handle`` (``base`` is forgotten): only the
-  new tokens are hashed (ReSV) or assigned online (Mosaic).
-* ``select``   queries [R, D] (or [heads, R, D]), handle, alpha, per_frame ->
-  the token ids of the union of the selected clusters over rows and heads [N]
-  and, for one head, the bool cluster mask [R or 1, C] (shared memory). With
-  ``block`` = page size: WiCSum over pages by their tokens' predicted mass
-  (what a paged cache can skip), the token ids of the kept pages.
+* ``cluster``  keys ``[heads, T, D]`` of a history and ``method`` resv (HC table)
+  or mosaic (centroid index) -> the table; reply: each token's cluster
+  ``labels`` ``[heads, T]``.
+* ``extend``   the keys of the tokens that follow the table's history -> the
+  grown table (ReSV hashes only the new tokens, Mosaic assigns them online);
+  reply: their ``labels`` ``[heads, n]``.
+* ``mass``     queries ``[heads, R, D]`` -> each history token's predicted share
+  of the rows' attention ``mass`` ``[heads, T]`` (its cluster's predicted mass,
+  shared by the cluster's tokens). Mosaic splits pending on the clusters that
+  hold the top ``alpha`` of it are applied (they are about to be fetched); the
+  reply then carries every token's new ``labels``.
 * ``drop``     forget a handle;  ``ping``  liveness.
 
 Requests that arrive together are served as one batch (the service drains its
@@ -148,62 +149,55 @@ class DREService:
         if op == "drop":
             self.tables.pop(str(msg.get("handle")), None)
             return {"ok": True}
-        if op == "cluster":
+        if op in ("cluster", "extend"):
             keys = _head_keys(msg)
-            method = str(msg.get("method", "resv"))
-            if method not in ("resv", "mosaic"):
-                raise DREError(f"cluster wants method resv|mosaic, got {method[:20]!r}")
-            segment = max(1, int(msg.get("segment", 32)))
-            tables = [cluster_keys(k, self._planes_for(k), self.hamming).to(self.device) if method == "resv"
-                      else MosaicSession.build(k, segment) for k in keys]
-            self.tables[str(msg["handle"])] = (tables, keys.shape[1])
-            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables)}
-        if op == "extend":
-            keys = _head_keys(msg)
-            base = self.tables.get(str(msg.get("base")))
-            if base is None:
-                raise DREError(f"unknown handle {str(msg.get('base'))[:80]!r}")
-            tables, n_tokens = base
-            if keys.shape[0] != len(tables):
-                raise DREError(f"extend wants keys of {len(tables)} heads, got {tuple(keys.shape)}")
-            del self.tables[str(msg["base"])]
-            for i, (k, table) in enumerate(zip(keys, tables)):
-                if isinstance(table, Clusters):
-                    tables[i] = extend_clusters(table, k, self._planes_for(k), self.hamming)
-                else:
-                    table.extend(k)
-            self.tables[str(msg["handle"])] = (tables, n_tokens + keys.shape[1])
-            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables)}
-        if op == "select":
+            handle = str(msg.get("handle"))
+            if op == "cluster":
+                method = str(msg.get("method", "resv"))
+                if method not in ("resv", "mosaic"):
+                    raise DREError(f"cluster wants method resv|mosaic, got {method[:20]!r}")
+                segment = max(1, int(msg.get("segment", 32)))
+                tables = [cluster_keys(k, self._planes_for(k), self.hamming).to(self.device) if method == "resv"
+                          else MosaicSession.build(k, segment) for k in keys]
+                first = 0
+            else:
+                tables, first = self._table(handle)
+                if keys.shape[0] != len(tables):
+                    raise DREError(f"extend wants keys of {len(tables)} heads, got {tuple(keys.shape)}")
+                for i, (k, table) in enumerate(zip(keys, tables)):
+                    if isinstance(table, Clusters):
+                        tables[i] = extend_clusters(table, k, self._planes_for(k), self.hamming)
+                    else:
+                        table.extend(k)
+            n_tokens = first + keys.shape[1]
+            self.tables[handle] = (tables, n_tokens)
+            labels = torch.stack([_owners(t, n_tokens)[first:] for t in tables])
+            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables), "labels": put_tensor(labels)}
+        if op == "mass":
+            tables, n_tokens = self._table(str(msg.get("handle")))
             queries = take_tensor(msg["queries"]).to(self.device, torch.float32)
             queries = queries.unsqueeze(0) if queries.dim() == 2 else queries
-            entry = self.tables.get(str(msg.get("handle")))
-            if entry is None:
-                raise DREError(f"unknown handle {str(msg.get('handle'))[:80]!r}")
-            tables, n_tokens = entry
             if queries.dim() != 3 or queries.shape[0] != len(tables):
-                raise DREError(f"select wants queries [{len(tables)} heads, R, D], got {tuple(queries.shape)}")
-            alpha, per_frame = float(msg.get("alpha", 1.0)), bool(msg.get("per_frame"))
-            if msg.get("block"):
-                return {"ok": True, "tokens": put_tensor(_select_blocks(tables, queries, n_tokens, alpha,
-                                                                        int(msg["block"])))}
-            masks, tokens = [], []
+                raise DREError(f"mass wants queries [{len(tables)} heads, R, D], got {tuple(queries.shape)}")
+            alpha = float(msg.get("alpha", 1.0))
+            masses, relabelled = [], False
             for q, table in zip(queries, tables):
-                if isinstance(table, Clusters):
-                    scores = cluster_scores(q, table)
-                    mask = wicsum(frame_scores(scores) if per_frame else scores, alpha).cpu()
-                    tokens.append(table.tokens(torch.nonzero(mask.any(0)).flatten()))
-                else:
-                    q, index = q.cpu(), table.index
-                    mask = index.select_frame(q, alpha).unsqueeze(0) if per_frame else index.select(q, alpha)
-                    tokens.append(torch.nonzero(index.token_mask(mask.any(0, keepdim=True), n_tokens)[0]).flatten())
-                    table.after_fetch(torch.nonzero(mask.any(0)).flatten())
-                masks.append(mask)
-            reply = {"ok": True, "tokens": put_tensor(torch.unique(torch.cat(tokens)))}
-            if len(masks) == 1:
-                reply["mask"] = put_tensor(masks[0])
+                owner = _owners(table, n_tokens)
+                mass = _token_mass(table, q, owner)
+                if isinstance(table, MosaicSession) and alpha < 1:
+                    relabelled |= _split_fetched(table, mass, owner, alpha)
+                masses.append(mass)
+            reply = {"ok": True, "mass": put_tensor(torch.stack(masses))}
+            if relabelled:
+                reply["labels"] = put_tensor(torch.stack([_owners(t, n_tokens) for t in tables]))
             return reply
         raise DREError(f"unknown op {str(op)[:40]!r}")
+
+    def _table(self, handle: str) -> tuple[list, int]:
+        entry = self.tables.get(handle)
+        if entry is None:
+            raise DREError(f"unknown handle {handle[:80]!r}")
+        return entry
 
     def _planes_for(self, keys: torch.Tensor) -> torch.Tensor:
         # scoring and WiCSum run on the service's device (a GPU: torch kernels); hashing on the CPU
@@ -300,21 +294,15 @@ def _token_mass(table, queries: torch.Tensor, owner: torch.Tensor) -> torch.Tens
     return out
 
 
-def _select_blocks(tables, queries: torch.Tensor, n_tokens: int, alpha: float, block: int) -> torch.Tensor:
-    """Token ids of the ``block``-token pages kept by WiCSum over the pages'
-    predicted mass (summed over heads): what a paged cache can attend to."""
-    owners = [_owners(t, n_tokens) for t in tables]
-    mass = sum(_token_mass(t, q, o) for t, q, o in zip(tables, queries, owners))
-    pages = -(-n_tokens // block)
-    page_mass = torch.zeros(pages * block).index_add_(0, torch.arange(n_tokens), mass).view(pages, block).sum(1)
-    keep = wicsum(page_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
-    tokens = (torch.nonzero(keep).flatten().unsqueeze(1) * block + torch.arange(block)).flatten()
-    tokens = tokens[tokens < n_tokens]
-    for table, owner in zip(tables, owners):
-        if isinstance(table, MosaicSession):      # clusters with tokens on kept pages are fetched
-            fetched = owner[tokens]
-            table.after_fetch(torch.unique(fetched[fetched >= 0]))
-    return tokens
+def _split_fetched(table: "MosaicSession", mass: torch.Tensor, owner: torch.Tensor, alpha: float) -> bool:
+    """Apply the pending splits of the clusters holding the top ``alpha`` of the
+    predicted mass (the ones the worker is about to fetch); whether any split."""
+    cluster_mass = torch.zeros(len(table.index.clusters)).index_add_(0, owner.clamp_min(0), mass)
+    keep = wicsum(cluster_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
+    pending = [i for i in torch.nonzero(keep).flatten().tolist() if table.index.clusters[i].split_pending]
+    before = len(table.index.clusters)
+    table.after_fetch(torch.tensor(pending, dtype=torch.long))
+    return len(table.index.clusters) != before
 
 
 def _num_clusters(table) -> int:

@@ -1,6 +1,7 @@
 """kvreel's ``vllm.general_plugins`` entry point: with ``KVREEL_RETRIEVAL`` on,
-vLLM's CPU attention backend is replaced by kvreel's retrieval wrapper in every
-vLLM process, so the env var is all a user sets."""
+vLLM's CPU attention backend is replaced by kvreel's retrieval backend, and
+vLLM's KV cache manager learns kvreel's offloaded-history spec, in every vLLM
+process, so the env var is all a user sets."""
 
 from __future__ import annotations
 
@@ -22,5 +23,7 @@ def register() -> None:
         logger.warning("kvreel: KVREEL_RETRIEVAL is implemented for vLLM's CPU backend only; "
                        "this platform keeps full attention")
         return
+    from kvreel.connector.retrieval import offload
+    offload.register()
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      "kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")

@@ -1,0 +1,73 @@
+"""Plain per-token K and V <-> vLLM CPU cache pages, whatever the ISA packing.
+
+The CPU backend's cache is ``[blocks, kv_heads, 2 * block_size, head_dim]``
+per layer: for each head, a K part and a V part of ``block_size * head_dim``
+values each, laid out as the ISA's kernel wants them (``vec`` stores K
+transposed, ``amx`` differently again). kvreel does not hard-code any of these:
+once per (block size, head_dim, dtype, ISA) it writes probe values through
+vLLM's own ``cpu_attn_reshape_and_cache`` and reads back where each
+(token, channel) landed. Unpacking is then one gather with that permutation;
+packing is vLLM's op itself. Round trips are exact (the probe proves it)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _permutation(block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """[2, block_size * head_dim]: for K and V, the page position of (token, channel) t * head_dim + d."""
+    from vllm import _custom_ops as ops
+    bs, D = block_size, head_dim
+    n = bs * D
+    # bf16/fp16 hold integers up to 256 exactly: one probe per base-256 digit of the index
+    digits = max(1, -(-(n - 1).bit_length() // 8))
+    index = torch.arange(n).view(bs, 1, D)
+    found = torch.zeros(2, n, dtype=torch.int64)
+    cache = torch.zeros(1, 1, 2 * bs, D, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    for digit in range(digits):
+        probe = ((index >> (8 * digit)) & 255).to(dtype)
+        for part in range(2):
+            cache.zero_()
+            k, v = (probe, torch.zeros_like(probe)) if part == 0 else (torch.zeros_like(probe), probe)
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(bs), isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+            landed = cache[0, 0, part * bs:(part + 1) * bs].reshape(-1).to(torch.int64)
+            found[part] |= landed << (8 * digit)
+    # found[part][p] = the (t, d) index stored at page position p; invert it
+    perm = torch.empty_like(found)
+    for part in range(2):
+        if not torch.equal(torch.sort(found[part]).values, torch.arange(n)):
+            raise RuntimeError(f"vLLM's CPU cache packing for isa={isa!r} is not a permutation of its "
+                               "input; kvreel cannot keep a host copy of this cache")
+        perm[part][found[part]] = torch.arange(n)
+    return perm
+
+
+class PagePacking:
+    """Unpack a layer's pages into plain K/V, and pack plain K/V into pages."""
+
+    def __init__(self, block_size: int, head_dim: int, dtype: torch.dtype, isa: str):
+        self.block_size, self.head_dim, self.dtype, self.isa = block_size, head_dim, dtype, isa
+        self.perm = _permutation(block_size, head_dim, dtype, isa)
+
+    def unpack(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``[n, H, 2 * bs, D]`` -> (K, V) each ``[n * bs, H, D]`` (tokens in order)."""
+        n, H = pages.shape[0], pages.shape[1]
+        bs, D = self.block_size, self.head_dim
+        flat = pages.reshape(n, H, 2, bs * D)
+        k = flat[:, :, 0].index_select(-1, self.perm[0])
+        v = flat[:, :, 1].index_select(-1, self.perm[1])
+        # [n, H, bs, D] -> [n * bs, H, D]
+        return (k.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D),
+                v.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D))
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write tokens ``[n, H, D]`` into ``cache`` ``[blocks, H, 2 * bs, D]`` at ``slots``."""
+        from vllm import _custom_ops as ops
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
