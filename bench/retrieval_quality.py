@@ -43,7 +43,7 @@ from common import RESULTS, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
 from kvreel.connector.retrieval.dre_service import DREService, _select_blocks  # noqa: E402
-from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans, prefetch_hit_rate  # noqa: E402
+from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
 from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
                                              wicsum)
 
@@ -54,6 +54,18 @@ REKV_RATIOS = RATIOS + (0.8, 0.9, 1.0)
 RESV_CONFIGS = ((12, 0, False), (14, 0, False), (12, 0, True), (14, 0, True), (16, 0, True), (16, 1, True))
 SERVED_PAGE = 32                                     # vLLM cache block
 MOSAIC_CONFIGS = (16, 64)                            # semantic clusters per visual cluster
+
+
+def prefetch_hit_rate(index_next: MosaicIndex, queries_this: torch.Tensor, queries_next: torch.Tensor,
+                      alpha: float) -> tuple[float, torch.Tensor]:
+    """Cross-layer prefetch: clusters of layer l+1 predicted from layer l's queries;
+    (share of the real layer-(l+1) selection that was prefetched, the clusters the
+    completion step must still fetch)."""
+    predicted = index_next.select(queries_this, alpha).any(0)
+    actual = index_next.select(queries_next, alpha).any(0)
+    missed = actual & ~predicted
+    hit = float((actual & predicted).sum() / actual.sum().clamp_min(1))
+    return hit, torch.nonzero(missed).flatten()
 
 
 def evaluate(q, k, v, mask, cand, visible):

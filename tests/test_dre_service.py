@@ -29,22 +29,32 @@ def dre(tmp_path):
     proc.stop()
 
 
-def expected(keys, queries, alpha, per_frame, center=None):
+def expected_mass(keys, queries, center=None):
+    """In process: each token's predicted share of the rows' attention (its
+    cluster's mean predicted mass, shared evenly by the cluster's tokens)."""
     cl = cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center)
-    s = cluster_scores(queries, cl)
-    mask = wicsum(frame_scores(s) if per_frame else s, alpha)
-    return cl, mask, cl.tokens(torch.nonzero(mask.any(0)).flatten())
+    cmass = torch.softmax(frame_scores(cluster_scores(queries, cl)), -1)[0]
+    return cl, cmass[cl.labels] / cl.counts[cl.labels]
 
 
-@pytest.mark.parametrize("per_frame", [False, True])
-def test_service_answers_exactly_what_resv_computes_in_process(dre, per_frame):
+def test_service_answers_exactly_what_resv_computes_in_process(dre):
     _, client = dre
     keys, queries = data()
-    cl, mask, tokens = expected(keys, queries, 0.9, per_frame)
-    assert client.submit("cluster", handle="s0/l3/h1", keys=keys).result(10)["clusters"] == cl.num_clusters
-    reply = client.submit("select", handle="s0/l3/h1", queries=queries, alpha=0.9,
-                          per_frame=per_frame).result(10)
-    assert torch.equal(reply["mask"], mask) and torch.equal(reply["tokens"], tokens)
+    reply = client.submit("cluster", handle="s0/3", keys=keys).result(10)
+    cl, mass = expected_mass(keys, queries)
+    assert torch.equal(reply["labels"], cl.labels.unsqueeze(0))
+    got = client.submit("mass", handle="s0/3", queries=queries, alpha=0.9).result(10)["mass"]
+    assert torch.allclose(got[0], mass) and got.shape == (1, len(keys))
+    assert got.sum().item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_heads_are_predicted_separately(dre):
+    _, client = dre
+    (k0, q0), (k1, q1) = data(seed=1), data(seed=2)
+    client.submit("cluster", handle="two", keys=torch.stack([k0, k1])).result(10)
+    got = client.submit("mass", handle="two", queries=torch.stack([q0, q1])).result(10)["mass"]
+    for h, (k, q) in enumerate(((k0, q0), (k1, q1))):
+        assert torch.allclose(got[h], expected_mass(k, q)[1])
 
 
 def test_requests_in_flight_together_are_all_answered(dre):
@@ -58,16 +68,16 @@ def test_requests_in_flight_together_are_all_answered(dre):
     for j in range(20):
         name, keys = handles[j % 4]
         _, queries = data(seed=100 + j)
-        futs.append((client.submit("select", handle=name, queries=queries, alpha=0.8), keys, queries))
+        futs.append((client.submit("mass", handle=name, queries=queries), keys, queries))
     for fut, keys, queries in futs:
-        assert torch.equal(fut.result(20)["tokens"], expected(keys, queries, 0.8, False)[2])
+        assert torch.allclose(fut.result(20)["mass"][0], expected_mass(keys, queries)[1])
 
 
 def test_bad_requests_get_clear_errors_and_do_not_stop_the_service(dre, tmp_path):
     _, client = dre
     _, queries = data()
     with pytest.raises(DREError, match="unknown handle"):
-        client.submit("select", handle="nope", queries=queries, alpha=0.5).result(10)
+        client.submit("mass", handle="nope", queries=queries, alpha=0.5).result(10)
     with pytest.raises(DREError, match="unknown op"):
         client.submit("unpickle").result(10)
     raw = socket.socket(socket.AF_UNIX)            # a peer that sends an oversized header
@@ -98,12 +108,12 @@ def test_a_dead_service_fails_pending_requests_and_is_restarted(dre):
     proc.proc.kill()
     proc.proc.wait()
     with pytest.raises(DREError, match="died|gone|unreachable"):
-        client.submit("select", handle="h", queries=queries, alpha=0.9).result(10)
+        client.submit("mass", handle="h", queries=queries).result(10)
     fresh = proc.ensure(client)
     assert fresh is not client and proc.restarts == 1
     assert fresh.submit("ping").result(10)["ok"]
     with pytest.raises(DREError, match="unknown handle"):     # state is gone: the caller re-clusters
-        fresh.submit("select", handle="h", queries=queries, alpha=0.9).result(10)
+        fresh.submit("mass", handle="h", queries=queries).result(10)
     fresh.close()
 
 
@@ -149,68 +159,70 @@ def test_shared_memory_descriptors_are_checked():
         take_tensor({**bad, "dtype": "object"})
 
 
-def test_pages_of_several_heads_are_kept_by_their_predicted_mass(dre):
-    _, client = dre
-    (k0, q0), (k1, q1) = data(seed=1), data(seed=2)
-    block, alpha = 32, 0.7
-    client.submit("cluster", handle="pages", keys=torch.stack([k0, k1])).result(10)
-    reply = client.submit("select", handle="pages", queries=torch.stack([q0, q1]), alpha=alpha,
-                          per_frame=True, block=block).result(10)
-    # in process: each token carries its cluster's frame mass / cluster size; pages sum it over heads
-    mass = torch.zeros(len(k0))
-    for k, q in ((k0, q0), (k1, q1)):
-        cl = cluster_keys(k, hyperplanes(k.shape[1], 12, seed=1), 1)
-        cmass = torch.softmax(frame_scores(cluster_scores(q, cl)), -1)[0]
-        mass += cmass[cl.labels] / cl.counts[cl.labels]
-    pages = torch.zeros(-(-len(k0) // block)).index_add_(0, torch.arange(len(k0)) // block, mass)
-    keep = wicsum(pages.log().unsqueeze(0), alpha)[0]
-    want = torch.tensor([t for t in range(len(k0)) if keep[t // block]])
-    assert torch.equal(reply["tokens"], want)
-    assert 0 < len(want) < len(k0)
-
-
-def test_mosaic_tables_answer_what_the_index_selects_in_process(dre):
+def test_mosaic_tables_predict_what_the_index_scores_in_process(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
     keys, queries = data(T=256)
-    client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
-    reply = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True).result(30)
-    index = MosaicSession.build(keys.float(), 32).index
-    mask = index.select_frame(queries, 0.8)
-    assert torch.equal(reply["mask"], mask.unsqueeze(0))
-    assert torch.equal(reply["tokens"], torch.nonzero(index.token_mask(mask.unsqueeze(0), len(keys))[0]).flatten())
-    pages = client.submit("select", handle="m", queries=queries, alpha=0.8, per_frame=True, block=32).result(30)
-    kept = pages["tokens"].view(-1, 32)                  # whole 32-token pages, in order
-    assert torch.equal(kept, kept[:, :1] + torch.arange(32)) and 0 < len(kept) < len(keys) // 32
+    reply = client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
+    session = MosaicSession.build(keys.float(), 32)
+    owners = session.index.owners(len(keys))
+    assert torch.equal(reply["labels"][0], owners)
+    got = client.submit("mass", handle="m", queries=queries).result(30)["mass"][0]       # alpha 1: no splits
+    cmass = torch.softmax(session.index.scores(queries), -1).mean(0)
+    counts = torch.tensor([c.count for c in session.index.clusters], dtype=torch.float32)
+    assert torch.allclose(got, cmass[owners] / counts[owners])
 
 
 def test_extended_tables_answer_as_tables_of_the_whole_history(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
     keys, queries = data(T=608)
-    _, mask, tokens = expected(keys, queries, 0.9, True, center=keys[:320].mean(0))    # centred as first seen
-    client.submit("cluster", handle="r0", keys=keys[:320])
-    for i, start in enumerate(range(320, 608, 32)):          # a session growing block by block
-        client.submit("extend", handle=f"r{i + 1}", base=f"r{i}", keys=keys[start:start + 32])
-    reply = client.submit("select", handle="r9", queries=queries, alpha=0.9, per_frame=True).result(10)
-    assert torch.equal(reply["mask"], mask) and torch.equal(reply["tokens"], tokens)
-    with pytest.raises(DREError, match="unknown handle 'r8'"):          # the base is forgotten
-        client.submit("select", handle="r8", queries=queries, alpha=0.9).result(10)
+    cl, mass = expected_mass(keys, queries, center=keys[:320].mean(0))    # centred as first seen
+    labels = [client.submit("cluster", handle="r", keys=keys[:320])]
+    for start in range(320, 608, 32):                       # a session growing block by block
+        labels.append(client.submit("extend", handle="r", keys=keys[start:start + 32]))
+    assert torch.equal(torch.cat([f.result(10)["labels"] for f in labels], 1)[0], cl.labels)
+    assert torch.allclose(client.submit("mass", handle="r", queries=queries).result(10)["mass"][0], mass)
     with pytest.raises(DREError, match="unknown handle 'nope'"):
-        client.submit("extend", handle="x", base="nope", keys=keys[:32]).result(10)
+        client.submit("extend", handle="nope", keys=keys[:32]).result(10)
     with pytest.raises(DREError, match="keys of 1 heads"):
-        client.submit("extend", handle="r10", base="r9", keys=torch.stack([keys[:32], keys[:32]])).result(10)
-    assert torch.equal(client.submit("select", handle="r9", queries=queries, alpha=0.9,       # a refused extend
-                                     per_frame=True).result(10)["tokens"], tokens)            # keeps its base
+        client.submit("extend", handle="r", keys=torch.stack([keys[:32], keys[:32]])).result(10)
+    assert torch.allclose(client.submit("mass", handle="r", queries=queries).result(10)["mass"][0], mass)
 
-    client.submit("cluster", handle="m0", keys=keys[:320], method="mosaic", segment=32)
-    client.submit("extend", handle="m1", base="m0", keys=keys[320:])
-    reply = client.submit("select", handle="m1", queries=queries, alpha=0.8, per_frame=True).result(30)
+    client.submit("cluster", handle="m", keys=keys[:320], method="mosaic", segment=32)
+    new = client.submit("extend", handle="m", keys=keys[320:]).result(30)["labels"][0]
     session = MosaicSession.build(keys[:320], 32)
     session.extend(keys[320:])
-    want = session.index.select_frame(queries, 0.8)
-    assert torch.equal(reply["mask"], want.unsqueeze(0))
-    assert torch.equal(reply["tokens"], torch.nonzero(session.index.token_mask(want.unsqueeze(0), 608)[0]).flatten())
+    assert torch.equal(new, session.index.owners(608)[320:])
+
+
+def test_mosaic_splits_pending_on_clusters_about_to_be_fetched_are_applied(dre):
+    """A cluster whose spread grew (two groups of new tokens on either side of it)
+    is split when the worker is about to fetch it (it holds the top alpha of the
+    predicted mass), and the reply carries every token's new label."""
+    from kvreel.connector.retrieval.mosaic import MosaicSession
+    _, client = dre
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, 64, generator=g) * 2
+    base = centers[torch.randint(0, 4, (320,), generator=g)] + 0.3 * torch.randn(320, 64, generator=g)
+    d = torch.nn.functional.normalize(torch.randn(64, generator=g), dim=0)
+    side = torch.where(torch.arange(96) % 2 == 0, 1.0, -1.0).unsqueeze(1)
+    new = centers[0] + side * 0.3 * d + 0.05 * torch.randn(96, 64, generator=g)
+    queries = centers[0] + 0.1 * torch.randn(8, 64, generator=g)
+    client.submit("cluster", handle="m", keys=base, method="mosaic", segment=32)
+    client.submit("extend", handle="m", keys=new).result(30)
+    session = MosaicSession.build(base, 32)
+    session.extend(new)
+    before = session.index.owners(416)
+    cmass = torch.softmax(session.index.scores(queries), -1).mean(0)
+    fetched = torch.nonzero(wicsum(cmass.log().unsqueeze(0), 0.5)[0]).flatten()
+    pending = [i for i in fetched.tolist() if session.index.clusters[i].split_pending]
+    assert pending                                            # the data leaves one to split
+    reply = client.submit("mass", handle="m", queries=queries, alpha=0.5).result(30)
+    session.after_fetch(torch.tensor(pending))
+    assert torch.equal(reply["labels"][0], session.index.owners(416))
+    assert not torch.equal(reply["labels"][0], before)
+    assert "labels" not in client.submit("mass", handle="m", queries=queries, alpha=1.0).result(30)
 
 
 def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):

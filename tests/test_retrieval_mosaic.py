@@ -2,7 +2,7 @@
 
 import torch
 
-from kvreel.connector.retrieval.mosaic import MosaicIndex, MosaicSession, cosine_kmeans, prefetch_hit_rate
+from kvreel.connector.retrieval.mosaic import MosaicIndex, MosaicSession, cosine_kmeans
 
 
 def session(frames=12, per_frame=32, D=32, seed=0):
@@ -86,16 +86,6 @@ def test_split_is_deferred_until_applied():
     assert len(ids) == 2 and len(index.clusters) == n + 1
     halves = [set(index.clusters[i].tokens) for i in ids]
     assert all(h <= set(range(20)) or h <= set(range(20, 40)) for h in halves)
-
-
-def test_cross_layer_prefetch_reports_hits_and_misses():
-    keys, frame_of, emb, _ = session()
-    index = MosaicIndex.build(keys, frame_of, cosine_kmeans(emb, 3), per_visual=4)
-    q = keys[:8]
-    hit, missed = prefetch_hit_rate(index, q, q, 0.9)
-    assert hit == 1.0 and missed.numel() == 0
-    hit2, missed2 = prefetch_hit_rate(index, -q, q, 0.9)
-    assert 0.0 <= hit2 < 1.0 and missed2.numel() > 0
 
 
 def test_frame_selection_serves_every_row():

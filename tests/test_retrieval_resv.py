@@ -102,21 +102,3 @@ def test_frame_scores_are_the_rows_mean_distribution():
     assert torch.allclose(agg.exp()[0], torch.softmax(scores, -1).mean(0), atol=1e-6)
     keep = wicsum(agg, 0.8)[0]
     assert float(torch.softmax(scores, -1).mean(0)[keep].sum()) >= 0.8 - 1e-6
-
-
-def test_kvmu_layout_fetches_whole_clusters_in_few_copies_byte_exactly():
-    from kvreel.connector.retrieval.kvmu import ClusterLayout, fetch_tokens
-    g = torch.Generator().manual_seed(3)
-    T, D = 500, 64
-    keys, values = torch.randn(T, D, generator=g).bfloat16(), torch.randn(T, D, generator=g).bfloat16()
-    labels = torch.randint(0, 20, (T,), generator=g)
-    layout = ClusterLayout(keys, values, labels)
-    chosen = torch.tensor([3, 4, 5, 11, 17, 4])
-    ids, kv = layout.fetch(chosen)
-    assert layout.runs(chosen) == [(int(layout.starts[3]), int(layout.counts[3:6].sum())),
-                                   (int(layout.starts[11]), int(layout.counts[11])),
-                                   (int(layout.starts[17]), int(layout.counts[17]))]   # 3 copies for 4 clusters
-    assert sorted(ids.tolist()) == torch.nonzero(torch.isin(labels, chosen)).flatten().tolist()
-    assert torch.equal(kv.view(torch.int16), fetch_tokens(keys, values, ids).view(torch.int16))
-    with pytest.raises(ValueError, match="want keys/values"):
-        ClusterLayout(keys, values[:10], labels)

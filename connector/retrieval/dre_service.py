@@ -52,7 +52,7 @@ import torch
 
 from kvreel.connector.retrieval.mosaic import MosaicSession
 from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, extend_clusters, frame_scores,
-                                             hyperplanes, wicsum)
+                                             hyperplanes, wicsum_bucketed)
 
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
@@ -298,7 +298,7 @@ def _split_fetched(table: "MosaicSession", mass: torch.Tensor, owner: torch.Tens
     """Apply the pending splits of the clusters holding the top ``alpha`` of the
     predicted mass (the ones the worker is about to fetch); whether any split."""
     cluster_mass = torch.zeros(len(table.index.clusters)).index_add_(0, owner.clamp_min(0), mass)
-    keep = wicsum(cluster_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
+    keep = wicsum_bucketed(cluster_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
     pending = [i for i in torch.nonzero(keep).flatten().tolist() if table.index.clusters[i].split_pending]
     before = len(table.index.clusters)
     table.after_fetch(torch.tensor(pending, dtype=torch.long))

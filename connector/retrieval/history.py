@@ -102,7 +102,7 @@ class LayerHistory:
             tokens = self.tokens[h, :self.n_slabs].flatten()
             labels = self.labels[h, tokens - bs]
             labels = torch.where(labels < 0, torch.iinfo(torch.int64).max, labels)
-            order = torch.sort(labels * 0 + tokens, stable=True).indices            # token order first...
+            order = torch.argsort(tokens)                                           # token order first...
             order = order[torch.sort(labels[order], stable=True).indices]          # ...then by cluster
             slabs = torch.empty(self.n_slabs, 1, 2 * bs, self.head_dim, dtype=self.dtype)
             self.packing.pack(k[order], v[order], slabs, torch.arange(len(order)))

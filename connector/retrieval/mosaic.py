@@ -264,15 +264,3 @@ class MosaicSession:
         for cid in cluster_ids.tolist():
             if self.index.clusters[cid].split_pending:
                 self.index.apply_split(cid, self.keys)
-
-
-def prefetch_hit_rate(index_next: MosaicIndex, queries_this: torch.Tensor, queries_next: torch.Tensor,
-                      alpha: float) -> tuple[float, torch.Tensor]:
-    """Cross-layer prefetch: clusters of layer l+1 predicted from layer l's queries;
-    (share of the real layer-(l+1) selection that was prefetched, the clusters the
-    completion step must still fetch)."""
-    predicted = index_next.select(queries_this, alpha).any(0)
-    actual = index_next.select(queries_next, alpha).any(0)
-    missed = actual & ~predicted
-    hit = float((actual & predicted).sum() / actual.sum().clamp_min(1))
-    return hit, torch.nonzero(missed).flatten()
