@@ -116,7 +116,8 @@ def test_selected_history_is_what_attention_reads(setup):
     runtime._started = runtime._restarting = True           # and no DRE: the working set stays as filled
     lh = runtime.histories["r"].layers[0]
     keep = torch.tensor([[2, 7, 11], [4, 7, 12]])         # per head: slabs (history blocks 3, 8, 12 / 5, 8, 13)
-    ws = runtime.working["r", 0] = WorkingSet(torch.zeros(64, H, 2 * BS, D, dtype=torch.bfloat16))
+    slot = runtime._slot("r")
+    ws = runtime.working["r", 0] = WorkingSet(runtime._slot_view(0, slot), slot)
     runtime._fill(ws, lh, keep, prediction=5)
     out = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, out)

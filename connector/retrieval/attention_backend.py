@@ -51,14 +51,10 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         if not long_rows:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        meta = attn_metadata
-        qsl = meta.query_start_loc.tolist()
-        short = [r for r in range(len(qsl) - 1) if r not in long_rows]
-        if short:
-            self._attend_rows(layer, query, kv_cache, meta, output, short)
-        for r, req_id in long_rows.items():
-            self._attend_long(layer, query[qsl[r]:qsl[r + 1]], kv_cache, meta, r, req_id,
-                              output[qsl[r]:qsl[r + 1]])
+        num_rows = len(attn_metadata.seq_lens)
+        if len(long_rows) < num_rows:      # the other rows, as vLLM computes them (long rows' outputs replaced)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        self._attend_long(layer, query, kv_cache, attn_metadata, long_rows, output)
         return output
 
     def _long_rows(self, layer, meta) -> dict[int, str]:
@@ -83,38 +79,43 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             self._rows_of = (id(meta), found)
         return self._rows_of[1]
 
-    def _attend_rows(self, layer, query, kv_cache, meta, output, rows: list[int]) -> None:
-        """vLLM's kernel over a subset of the batch's rows (their own blocks)."""
-        qsl = meta.query_start_loc.tolist()
-        tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows])
-        lens = torch.tensor([qsl[r + 1] - qsl[r] for r in rows], dtype=meta.query_start_loc.dtype)
-        sub_qsl = torch.zeros(len(rows) + 1, dtype=lens.dtype)
-        sub_qsl[1:] = lens.cumsum(0)
-        idx = torch.tensor(rows)
-        sub = self._metadata(layer, meta, query, sub_qsl, meta.seq_lens[idx], meta.block_table[idx])
-        out = output[tokens].clone()
-        super().forward(layer, query[tokens].contiguous(), None, None, kv_cache, sub, out)
-        output[tokens] = out
-
-    def _attend_long(self, layer, query, kv_cache, meta, row: int, req_id: str, output) -> None:
+    def _attend_long(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
+        """One kernel call over the layer's working-set buffer with the batch's
+        row structure: long rows attend to their working sets, the other rows
+        are stand-ins (their outputs are dropped). Keeping every row, with the
+        sequence lengths vLLM gave them when the whole history is attended to,
+        lets the kernel split the work exactly as it did for vLLM's own call, so
+        those results are bit-identical to it."""
         rt = self.runtime
-        bs = rt.block_size
-        hist = rt.histories[req_id]
-        q_len = query.shape[0]
-        H, G = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        grouped = query.reshape(q_len, H, G, -1).permute(1, 0, 2, 3).reshape(H, q_len * G, -1)
-        ws = rt.working_set(req_id, self.layer_index, grouped)
-        seq_len = int(meta.seq_lens[row])
-        resident = meta.block_table[row, hist.num_blocks:-(-seq_len // bs)].long()
-        m, n = ws.m, len(resident)
+        bs, H, G = rt.block_size, self.num_kv_heads, self.num_heads // self.num_kv_heads
+        qsl = meta.query_start_loc.tolist()
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
-        ws.buffer[m:m + n] = pages.index_select(0, resident)
-        seq = torch.tensor([m * bs + seq_len - hist.num_blocks * bs], dtype=meta.seq_lens.dtype)
-        qsl = torch.tensor([0, q_len], dtype=meta.query_start_loc.dtype)
-        table = torch.arange(m + n, dtype=meta.block_table.dtype).unsqueeze(0)
-        sub = self._metadata(layer, meta, query, qsl, seq, table)
-        buffer = ws.buffer.view(ws.buffer.shape[0], H, bs, -1)
-        super().forward(layer, query, None, None, buffer, sub, output)
+        seq_lens = meta.seq_lens.clone()
+        width = rt.slot_pages
+        table = torch.zeros(len(seq_lens), max(width, meta.block_table.shape[1]), dtype=meta.block_table.dtype)
+        exact = True
+        for r, req_id in long_rows.items():
+            q = query[qsl[r]:qsl[r + 1]]
+            grouped = q.reshape(q.shape[0], H, G, -1).permute(1, 0, 2, 3).reshape(H, q.shape[0] * G, -1)
+            ws = rt.working_set(req_id, self.layer_index, grouped)
+            hist = rt.histories[req_id]
+            seq_len = int(meta.seq_lens[r])
+            resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()
+            m, n = ws.m, len(resident)
+            ws.buffer[m:m + n] = pages.index_select(0, resident)
+            seq_lens[r] = m * bs + seq_len - hist.num_blocks * bs
+            table[r, :m + n] = torch.arange(ws.slot * width, ws.slot * width + m + n, dtype=table.dtype)
+            exact &= m == hist.num_blocks
+        if not exact:                     # no bit-identity to keep: the stand-in rows shrink to their queries
+            for r in set(range(len(seq_lens))) - set(long_rows):
+                seq_lens[r] = qsl[r + 1] - qsl[r]
+        sub = self._metadata(layer, meta, query, meta.query_start_loc, seq_lens, table)
+        buffer = rt.buffer(self.layer_index)              # taken last: a new slot may have grown it
+        out = output if len(long_rows) == len(seq_lens) else torch.empty_like(output)
+        super().forward(layer, query, None, None, buffer.view(buffer.shape[0], H, bs, -1), sub, out)
+        if out is not output:
+            for r in long_rows:
+                output[qsl[r]:qsl[r + 1]] = out[qsl[r]:qsl[r + 1]]
 
     def _metadata(self, layer, meta, query, qsl, seq_lens, block_table):
         return dataclasses.replace(

@@ -70,8 +70,11 @@ def select_slabs(slab_mass: torch.Tensor, alpha: float, budget: int, unscored: i
 @dataclasses.dataclass
 class WorkingSet:
     """One (request, layer)'s pages for the kernel: ``m`` selected pages (sink
-    first), then room for the request's resident blocks."""
-    buffer: torch.Tensor                  # [pages, H, 2 bs, D]
+    first), then room for the request's resident blocks. They live in the
+    layer's buffer (``RetrievalRuntime.buffer``), in the request's slot, so one
+    kernel call serves every long request of a batch."""
+    buffer: torch.Tensor                  # the slot's pages [pages, H, 2 bs, D] (a view of the layer's buffer)
+    slot: int
     slabs: torch.Tensor | None = None     # [H, m - 1] history slab indices loaded (None: nothing yet)
     version: int = -1                     # LayerHistory.version the slab indices refer to
     prediction: int = -1                  # id of the prediction they came from
@@ -101,6 +104,8 @@ class RetrievalRuntime:
         self.histories: dict[str, RequestHistory] = {}
         self.rows: dict[int, str] = {}            # this step: block id of a row's newest token -> request
         self.working: dict[tuple[str, int], WorkingSet] = {}
+        self.buffers: dict[int, torch.Tensor] = {}     # layer -> [slots * slot_pages, H, 2 bs, D]
+        self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
         self.caches: dict[int, torch.Tensor] = {}  # layer -> the engine's cache [blocks, H, 2 bs, D]
         self.packing: PagePacking | None = None
         self.resident_pages = 0
@@ -165,8 +170,40 @@ class RetrievalRuntime:
             self.drop(req_id)
         self.rows = rows
 
+    @property
+    def slot_pages(self) -> int:
+        return self.budget_pages + self.resident_pages
+
+    def buffer(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer]
+
+    def _slot(self, req_id: str) -> int:
+        """The request's slot in the layers' working-set buffers (grown when all are taken)."""
+        slot = self.slots.get(req_id)
+        if slot is None:
+            taken = set(self.slots.values())
+            slot = next(i for i in range(len(taken) + 1) if i not in taken)
+            self.slots[req_id] = slot
+            need = (slot + 1) * self.slot_pages
+            for layer in range(self.num_layers):
+                old = self.buffers.get(layer)
+                if old is None or old.shape[0] < need:
+                    grown = torch.empty(max(need, 2 * (0 if old is None else old.shape[0])), self.heads,
+                                        2 * self.block_size, self.head_dim, dtype=self.dtype)
+                    if old is not None:
+                        grown[:old.shape[0]] = old
+                    self.buffers[layer] = grown
+                    for (req, lay), ws in self.working.items():     # views of the old buffer move over
+                        if lay == layer:
+                            ws.buffer = self._slot_view(layer, ws.slot)
+        return slot
+
+    def _slot_view(self, layer: int, slot: int) -> torch.Tensor:
+        return self.buffers[layer][slot * self.slot_pages:(slot + 1) * self.slot_pages]
+
     def drop(self, req_id: str) -> None:
         self.histories.pop(req_id, None)
+        self.slots.pop(req_id, None)
         for layer in range(getattr(self, "num_layers", 0)):
             key = (req_id, layer)
             self.working.pop(key, None)
@@ -313,9 +350,8 @@ class RetrievalRuntime:
         lh = hist.layers[layer]
         ws = self.working.get((req_id, layer))
         if ws is None:
-            ws = self.working[(req_id, layer)] = WorkingSet(torch.empty(
-                self.budget_pages + self.resident_pages, self.heads, 2 * self.block_size, self.head_dim,
-                dtype=self.dtype))
+            slot = self._slot(req_id)
+            ws = self.working[(req_id, layer)] = WorkingSet(self._slot_view(layer, slot), slot)
         if self.exact_for(hist):
             self._fill(ws, lh, torch.arange(lh.n_slabs).expand(self.heads, -1), prediction=-1)
             self.count("retrieval_steps", label="exact")
