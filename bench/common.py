@@ -53,15 +53,28 @@ def machine() -> dict:
     import os
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     return info
 
 
+def commit() -> str:
+    """The checkout's commit ("+changes" when the package or benchmarks differ from it)."""
+    import subprocess
+    root = Path(__file__).parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "connector", "codec", "scheduler", "bench/*.py"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def save(name: str, payload: dict) -> Path:
+    """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)
-    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    payload = {"benchmark": name, "commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "machine": machine(), **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))

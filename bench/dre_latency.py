@@ -13,12 +13,12 @@ the keys say, only on their count and clusters). Per cache size:
 * extend: growing that table by one new history block (32 tokens), what a
   running session pays per new block; baseline in the same run: clustering
   the whole grown history anew;
-* select: WiCSum page selection for one layer and one step (``--frame`` query
-  tokens x 3 query heads per KV head), alone;
-* hidden: the same select submitted before the layer's attention (float32
-  SDPA of the frame over the whole cache, this process) and collected after
-  it: 1 - (wait after attention) / (select alone). Baseline in the same run:
-  the attention time itself.
+* mass: the per-token mass prediction for one layer and one step (``--frame``
+  query tokens x 3 query heads per KV head), alone;
+* hidden: the same prediction submitted before the layer's attention and
+  collected after it: 1 - (wait after attention) / (mass alone). The attention
+  is what a long request's layer computes as served: float32 SDPA of the frame
+  over a working set of ``--budget`` tokens (baseline in the same run).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--alpha", type=float, default=0.9)
     ap.add_argument("--method", choices=("resv", "mosaic"), default="resv")
+    ap.add_argument("--budget", type=int, default=2048, help="working-set tokens the layer attends to")
     a = ap.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
     proc = DREProcess(tempfile.mkdtemp(prefix="kvreel-dre-bench-") + "/dre.sock")   # as the worker starts it
@@ -69,22 +70,21 @@ def main() -> None:
     try:
         warm = keys_for(sizes[0], seed=1)          # first calls pay for imports and allocator growth
         client.submit("cluster", handle="warm", keys=warm[:, :-BLOCK], method=a.method).result(600)
-        client.submit("extend", handle="warm2", base="warm", keys=warm[:, -BLOCK:]).result(600)
-        client.submit("select", handle="warm2", queries=warm[:, :G * a.frame], alpha=a.alpha, per_frame=True,
-                      block=BLOCK).result(600)
-        client.submit("drop", handle="warm2").result(10)
+        client.submit("extend", handle="warm", keys=warm[:, -BLOCK:]).result(600)
+        client.submit("mass", handle="warm", queries=warm[:, :G * a.frame], alpha=a.alpha).result(600)
+        client.submit("drop", handle="warm").result(10)
         for T in tqdm(sizes, desc="cache sizes"):
             keys = keys_for(T)
-            values = torch.randn(H, T, D)
+            ws = min(T, a.budget)
+            values = torch.randn(H, ws, D)
             q = keys[:, torch.randint(0, T, (a.frame * G,))].reshape(H * G, a.frame, D) * 0.5
             queries = q.reshape(H, G * a.frame, D)
 
             def select():
-                return client.submit("select", handle=f"T{T}", queries=queries, alpha=a.alpha, per_frame=True,
-                                     block=BLOCK)
-            client.submit("cluster", handle=f"T{T}-base", keys=keys[:, :T - BLOCK], method=a.method).result(600)
+                return client.submit("mass", handle=f"T{T}", queries=queries, alpha=a.alpha)
+            client.submit("cluster", handle=f"T{T}-grown", keys=keys[:, :T - BLOCK], method=a.method).result(600)
             t0 = time.perf_counter()
-            client.submit("extend", handle=f"T{T}-grown", base=f"T{T}-base", keys=keys[:, T - BLOCK:]).result(600)
+            client.submit("extend", handle=f"T{T}-grown", keys=keys[:, T - BLOCK:]).result(600)
             extend_ms = (time.perf_counter() - t0) * 1000
             client.submit("drop", handle=f"T{T}-grown")
             t0 = time.perf_counter()
@@ -94,24 +94,23 @@ def main() -> None:
             alone, attn, hidden = [], [], []
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
-                kept = len(select().result(60)["tokens"])
+                select().result(60)
                 alone.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                attention(q, keys, values)
+                attention(q, keys[:, :ws], values)
                 attn.append(time.perf_counter() - t0)
             for _ in range(a.repeats):
                 fut = select()                                  # asked a layer ahead...
-                attention(q, keys, values)                      # ...while this layer attends
+                attention(q, keys[:, :ws], values)              # ...while this layer attends
                 t1 = time.perf_counter()
                 fut.result(60)
                 hidden.append(time.perf_counter() - t1)
             sel = statistics.median(alone)
             row = {"tokens": T, "cluster_ms": round(cluster_ms, 2), "extend_ms": round(extend_ms, 2),
-                   "select_ms": round(sel * 1000, 3),
+                   "mass_ms": round(sel * 1000, 3),
                    "attention_ms": round(statistics.median(attn) * 1000, 3),
                    "wait_after_attention_ms": round(statistics.median(hidden) * 1000, 3),
-                   "hidden_fraction": round(max(0.0, 1 - statistics.median(hidden) / sel), 3),
-                   "kept_share": round(kept / T, 3)}
+                   "hidden_fraction": round(max(0.0, 1 - statistics.median(hidden) / sel), 3)}
             rows.append(row)
             tqdm.write(str(row))
             client.submit("drop", handle=f"T{T}").result(10)
@@ -120,14 +119,14 @@ def main() -> None:
         proc.stop()
     name = ("dre_latency" if a.frame > 1 else "dre_latency_decode") + ("_mosaic" if a.method == "mosaic" else "")
     save(name, {"setting": {"method": a.method, "kv_heads": H, "query_heads": H * G, "head_dim": D,
-                            "frame_tokens": a.frame,
+                            "frame_tokens": a.frame, "working_set_tokens": a.budget,
                             "alpha": a.alpha, "page": BLOCK, "keys": "synthetic, 64 centres per head"},
                 "rows": rows})
     x = [r["tokens"] for r in rows]
-    plot_lines(name, x, {"DRE select (one layer, one step)": [r["select_ms"] for r in rows],
+    plot_lines(name, x, {"DRE mass prediction (one layer, one step)": [r["mass_ms"] for r in rows],
                          "DRE clustering the whole history (baseline)": [r["cluster_ms"] for r in rows],
                          "DRE extending by one new block": [r["extend_ms"] for r in rows],
-                         "attention of the layer (baseline)": [r["attention_ms"] for r in rows],
+                         "attention of the layer over its working set (baseline)": [r["attention_ms"] for r in rows],
                          "wait left after attention (asked a layer ahead)": [r["wait_after_attention_ms"]
                                                                              for r in rows]},
                "cached tokens", "ms", f"DRE ({a.method}) latency per layer, frame of {a.frame} tokens, 2-core CPU",

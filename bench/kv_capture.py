@@ -33,14 +33,20 @@ def capture(model_path: str, tokens: int, offset: int = 0, return_qkv: bool = Fa
 
 
 def capture_qkv(model_path: str, tokens: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Post-RoPE queries [L, Hq, T, D] and keys/values [L, Hkv, T, D] of one
-    forward pass, as attention sees them (float32)."""
-    import transformers.models.llama.modeling_llama as llama
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Post-RoPE queries [L, Hq, T, D] and keys/values [L, Hkv, T, D] over
+    ``tokens`` tokens of Python source, as attention sees them (float32)."""
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path)
+    ids = tok(python_source_corpus(tokens * 8 + offset * 8))["input_ids"][offset:offset + tokens]
+    return capture_qkv_ids(model_path, ids)
+
+
+def capture_qkv_ids(model_path: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same over the given token ids."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16,
                                                  attn_implementation="eager").eval()
-    ids = tok(python_source_corpus(tokens * 8 + offset * 8))["input_ids"][offset:offset + tokens]
     seen: list[tuple[torch.Tensor, ...]] = []
     original = llama.eager_attention_forward
 

@@ -7,8 +7,11 @@ sharing one of a few long prefixes, the rest unique. kvreel runs with a small
 host tier (evictions all the time), a disk tier on a small tmpfs (when run as
 root) and Redis as the remote tier; vLLM's own prefix cache is reset every
 ``--reset-every`` seconds so reuse goes through kvreel. A few long sessions
-(``--long-prompts``, 3 000 tokens) run with retrieval attention (ReSV through
-the DRE service) above ``KVREEL_RETRIEVAL_MIN_TOKENS`` = 2 400. During the run:
+(``--long-prompts``) start at 3 000 tokens and grow by ``--grow`` tokens a turn
+(a stream of new text) up to ``--long-max`` tokens, well past vLLM's paged
+cache (``--kv-blocks``): above ``KVREEL_RETRIEVAL_MIN_TOKENS`` = 2 400 their
+history lives in kvreel (ReSV through the DRE service) and every turn comes
+back as a cached prefix. During the run:
 Redis is killed and restarted empty, the disk tier is filled and freed, the DRE
 is killed (twice), and stored chunks (disk files and Redis values) are
 corrupted. Every answer to a prompt under the retrieval threshold is compared
@@ -45,11 +48,13 @@ CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_
                         "kv_role": "kv_both"})
 
 
-def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int = 0) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int = 0,
+                 max_model_len: int = 4096) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--block-size", "32", "--max-model-len", "4096", "--enforce-eager",
-           "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8"]
+           "--port", str(port), "--block-size", "32", "--max-model-len", str(max_model_len), "--enforce-eager",
+           "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8",
+           "--max-num-batched-tokens", "512"]
     if kv_blocks:       # a small paged cache: vLLM evicts prefixes, so reuse has to come from kvreel
         cmd += ["--num-gpu-blocks-override", str(kv_blocks)]
     if kvreel:
@@ -104,10 +109,20 @@ def soak_prompt(corpus: list[int], i: int, prefixes: int = 6, prefix_tokens: int
     return corpus[(i % prefixes) * prefix_tokens:(i % prefixes + 1) * prefix_tokens] + tail[i * 97:i * 97 + 64]
 
 
-def long_prompt(corpus: list[int], j: int, tokens: int = 3000) -> list[int]:
-    """A long session: one of the shared prefixes, then history of its own."""
-    return corpus[(j % 6) * 1536:(j % 6 + 1) * 1536] + corpus[400_000 + j * tokens:400_000 + (j + 1) * tokens][
-        :tokens - 1536]
+class LongSession:
+    """A session that grows every turn: one of the shared prefixes, history of its
+    own, then ``grow`` new tokens a turn (a stream of text) until ``longest``."""
+
+    def __init__(self, corpus: list[int], j: int, start: int, grow: int, longest: int):
+        own = corpus[400_000 + j * 20_000:400_000 + (j + 1) * 20_000]
+        self.tokens = corpus[(j % 6) * 1536:(j % 6 + 1) * 1536] + own[:start - 1536]
+        self.stream, self.grow, self.longest = own[start - 1536:], grow, longest
+        self.lock = threading.Lock()
+
+    def next_prompt(self) -> list[int]:
+        if len(self.tokens) + self.grow <= self.longest and self.stream:
+            self.tokens, self.stream = self.tokens + self.stream[:self.grow], self.stream[self.grow:]
+        return list(self.tokens)
 
 
 def kill_program(program: str) -> int:
@@ -186,10 +201,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--reset-every", type=float, default=20)
     ap.add_argument("--host-bytes", default="8MiB", help="kvreel host tier: small, so disk and Redis serve too")
-    ap.add_argument("--kv-blocks", type=int, default=400,
+    ap.add_argument("--kv-blocks", type=int, default=160,
                     help="vLLM's paged cache in blocks during the soak (reset_prefix_cache fails under load, "
-                         "so eviction is what sends reuse through kvreel)")
+                         "so eviction is what sends reuse through kvreel); long sessions outgrow it")
     ap.add_argument("--long-prompts", type=int, default=4, help="long sessions served with retrieval attention")
+    ap.add_argument("--grow", type=int, default=400, help="tokens a long session gains per turn")
+    ap.add_argument("--long-max", type=int, default=7680, help="a long session stops growing here")
+    ap.add_argument("--budget", type=int, default=1024, help="KVREEL_RETRIEVAL_BUDGET_TOKENS")
     ap.add_argument("--no-faults", action="store_true", help="load only")
     ap.add_argument("--name", help="results name (default: soak, or soak_control)")
     ap.add_argument("--control", action="store_true",
@@ -200,8 +218,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(a.model)
     corpus = tok(python_source_corpus(2_000_000))["input_ids"]
     prompts = [soak_prompt(corpus, i, a.prefixes, a.prefix_tokens) for i in range(a.prompts)]
-    exact = len(prompts)                  # prompts from here on are long sessions (retrieval)
-    prompts += [long_prompt(corpus, j) for j in range(0 if a.control else a.long_prompts)]
+    exact = len(prompts)                  # picks from here on are long sessions (retrieval)
+    sessions = [LongSession(corpus, j, 3000, a.grow, a.long_max) for j in range(0 if a.control else a.long_prompts)]
 
     work = Path(tempfile.mkdtemp(prefix="kvreel-soak-"))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -222,10 +240,11 @@ def main():
     kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
             "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1",
             "KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "2400", "KVREEL_RETRIEVAL_ALPHA": "0.9",
-            "KVREEL_RETRIEVAL_WINDOW": "256"}
+            "KVREEL_RETRIEVAL_WINDOW": "256", "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(a.budget)}
     if a.control:
         kenv = env
-    server, base = start_server(a.model, kenv, not a.control, work / "kvreel.log", a.kv_blocks)
+    server, base = start_server(a.model, kenv, not a.control, work / "kvreel.log", a.kv_blocks,
+                                max_model_len=a.long_max + 64)
     duration = a.minutes * 60
     faults = [] if a.control or a.no_faults else [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
               (0.55, "DRE killed"), (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted"),
@@ -238,16 +257,23 @@ def main():
     def client(seed):
         r = random.Random(seed)
         while time.monotonic() < stop_at:
-            i = r.randrange(len(prompts))
+            i = r.randrange(len(prompts) + len(sessions))
+            session = sessions[i - exact] if i >= exact else None
+            if session is not None and not session.lock.acquire(blocking=False):
+                continue                    # a session's turns come one after the other
             t = time.monotonic() - t_start
             try:
-                text, ttft, total, steps = complete(base, prompts[i], a.max_tokens)
+                ids = session.next_prompt() if session is not None else prompts[i]
+                text, ttft, total, steps = complete(base, ids, a.max_tokens)
                 differs = i < exact and text != reference[i]
                 rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "long": i >= exact,
-                       "wrong": differs and not near_tie(steps, reference_steps[i]),
+                       "tokens": len(ids), "wrong": differs and not near_tie(steps, reference_steps[i]),
                        "near_tie": differs and near_tie(steps, reference_steps[i]), "text": text}
             except Exception as e:  # noqa: BLE001 — an error is a result here
                 rec = {"t": t, "prompt": i, "ok": False, "error": str(e)[:200]}
+            finally:
+                if session is not None:
+                    session.lock.release()
             with lock:
                 results.append(rec)
 
@@ -321,8 +347,10 @@ def main():
            "errors": len(results) - len(ok), "wrong_answers": sum(r["wrong"] for r in ok),
            "long_session_requests": sum(1 for r in results if r["prompt"] >= exact),
            "long_session_served": sum(1 for r in ok if r["long"]),
+           "long_session_tokens_max": max((r["tokens"] for r in ok if r["long"]), default=0),
+           "paged_cache_tokens": a.kv_blocks * 32,
            "near_tie_differences": sum(r["near_tie"] for r in ok),
-           "wrong_by_prompt": {i: n for i in range(len(prompts))
+           "wrong_by_prompt": {i: n for i in range(exact)
                                if (n := sum(1 for r in ok if r["prompt"] == i and r["wrong"]))},
            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
            "rss_mib": {"first": samples[0]["rss_mib"], "last": samples[-1]["rss_mib"],

@@ -1,0 +1,234 @@
+"""Long sessions beyond vLLM's KV memory, side by side in one run:
+
+* plain vLLM with a cache that holds every session (full attention: the
+  speed baseline);
+* plain vLLM with a small cache (``--blocks``, 1/8 of the longest session):
+  the longest session it can take;
+* vLLM + kvreel retrieval with the same small cache: sessions of every length,
+  the engine KV they hold (vLLM's own ``kv_cache_usage`` gauge, plus kvreel's
+  working sets), TTFT and decode TPOT.
+
+    python bench/long_session.py --model ../shared/models/tinycode-16m-4k
+
+Each length is a distinct prompt of Python source; one request at a time;
+TTFT and TPOT are taken from engine steps (first output, then the gaps between
+the 64 decoded tokens). The model's trained context is 4 096 tokens (RoPE up to
+8 192): longer sessions run past it with vLLM's position limit raised, which
+changes what the model says, not what attention costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import plot_lines, python_source_corpus, save  # noqa: E402
+
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
+
+def run_engine(args: dict) -> dict:
+    """One engine configuration in a fresh process (vLLM spawns its own engine processes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    env.update(args.get("env", {}))
+    out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(args)], env=env, capture_output=True,
+                         text=True, timeout=args.get("timeout", 3600))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": (out.stdout + out.stderr)[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def engine_main(args: dict) -> None:
+    from prometheus_client import REGISTRY
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    kw = {}
+    if args.get("kvreel") is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=args["kvreel"])
+    if args.get("blocks"):
+        kw["num_gpu_blocks_override"] = args["blocks"]
+    try:
+        llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=args["max_model_len"],
+                  max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=4, seed=0,
+                  disable_log_stats=False, **kw)
+    except Exception as e:  # noqa: BLE001 — a refused configuration is a result
+        print("RESULT " + json.dumps({"refused": f"{type(e).__name__}: {str(e)[-600:]}"}), flush=True)
+        return
+    engine = llm.llm_engine
+    prompts = json.loads(Path(args["prompts"]).read_text())
+    rows = []
+    for n in args["lengths"]:
+        ids = prompts[str(n)]
+        sp = SamplingParams(max_tokens=args["decode"] + 1, temperature=0.0, ignore_eos=True)
+        try:
+            engine.add_request(f"s{n}", TokensPrompt(prompt_token_ids=ids), sp)
+        except Exception as e:  # noqa: BLE001 — vLLM refuses a prompt it cannot hold
+            rows.append({"tokens": n, "refused": f"{type(e).__name__}: {str(e)[-300:]}"})
+            continue
+        t0 = time.perf_counter()
+        times, usage = [], []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                if o.outputs and len(o.outputs[0].token_ids) > len(times):
+                    times.append(now)
+                    usage.append(_gauge(REGISTRY, "vllm:kv_cache_usage_perc"))
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        rows.append({"tokens": n, "ttft_s": times[0] - t0, "tpot_ms": 1e3 * statistics.mean(gaps),
+                     "tpot_p50_ms": 1e3 * statistics.median(gaps), "decoded": len(times),
+                     "kv_cache_usage_max": max(u for u in usage if u is not None) if any(usage) else None,
+                     "kv_cache_usage_end": usage[-1]})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    metrics = {s.name + ("|" + next(iter(s.labels.values())) if len(s.labels) > 2 else ""): s.value
+               for m in REGISTRY.collect() if m.name.startswith("vllm:kvreel_retrieval")
+               or m.name.startswith("vllm:kvreel_dre") for s in m.samples if s.name.endswith("_total")}
+    print("RESULT " + json.dumps({"rows": rows, "metrics": metrics}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _gauge(registry, name: str) -> float | None:
+    for metric in registry.collect():
+        if metric.name == name:
+            return max((s.value for s in metric.samples), default=None)
+    return None
+
+
+def working_set_mib(model: str, budget: int, window: int, chunk: int, block: int = 32) -> float:
+    """kvreel's working-set buffer of one long request, all layers (what it adds to engine KV)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = cfg["num_key_value_heads"] * block * 2 * head_dim * 2           # bf16 bytes per layer
+    pages = budget // block + -(-(window + 2 * chunk) // block) + 3
+    return cfg["num_hidden_layers"] * pages * page / 2**20
+
+
+def block_mib(model: str, block: int = 32) -> float:
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 2 * head_dim * 2 / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lengths", default="2048,4096,8192,16384,32768")
+    ap.add_argument("--capacity", default="65536", help="longer sessions run with kvreel only")
+    ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache for the small-cache engines")
+    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--method", default="resv")
+    ap.add_argument("--alpha", default="0.9")
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--min-tokens", type=int, default=2048)
+    ap.add_argument("--name", default="long_session")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    lengths = [int(x) for x in a.lengths.split(",")]
+    capacity = [int(x) for x in a.capacity.split(",") if x]
+    tok = AutoTokenizer.from_pretrained(a.model)
+    corpus = tok(python_source_corpus(6 * (sum(lengths) + sum(capacity))))["input_ids"]
+    prompts, offset = {}, 0
+    for n in lengths + capacity:
+        prompts[str(n)] = corpus[offset:offset + n]
+        offset += n
+    assert all(len(p) == int(n) for n, p in prompts.items()), "not enough text"
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-long-session"
+    work.mkdir(exist_ok=True)
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    longest = max(lengths + capacity)
+    common = {"model": a.model, "prompts": str(work / "prompts.json"), "chunk": a.chunk, "decode": a.decode,
+              "max_model_len": longest + a.decode + 64,
+              "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
+    retrieval_env = {"KVREEL_RETRIEVAL": a.method, "KVREEL_RETRIEVAL_ALPHA": a.alpha,
+                     "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(a.budget), "KVREEL_RETRIEVAL_WINDOW": str(a.window),
+                     "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens)}
+    runs = {
+        "vLLM, cache holds every session (full attention)": {**common, "lengths": lengths},
+        f"vLLM, {a.blocks}-block cache": {**common, "lengths": lengths + capacity, "blocks": a.blocks,
+                                          "max_model_len": a.blocks * 32},
+        f"vLLM + kvreel {a.method}, {a.blocks}-block cache": {
+            **common, "lengths": lengths + capacity, "blocks": a.blocks, "kvreel": {"cpu_bytes": "2GiB"},
+            "env": {**common["env"], **retrieval_env}},
+    }
+    results = {}
+    for label, args in runs.items():
+        print(f"== {label}", flush=True)
+        t0 = time.perf_counter()
+        results[label] = run_engine(args)
+        results[label]["wall_s"] = time.perf_counter() - t0
+        print(json.dumps(results[label])[:1500], flush=True)
+    full, small, reel = (results[k] for k in runs)
+    ws = working_set_mib(a.model, a.budget, a.window, a.chunk)
+    paged = a.blocks * block_mib(a.model)
+    served = [r["tokens"] for r in reel.get("rows", []) if "ttft_s" in r]
+    plain_served = [r["tokens"] for r in small.get("rows", []) if "ttft_s" in r]
+    plain_longest = max(plain_served) if plain_served else a.blocks * 32 - 1
+    summary = {
+        "engine_kv_mib": {"paged_cache": paged, "kvreel_working_set_per_session": ws},
+        "longest_session_tokens": {"vllm_small_cache": plain_longest, "kvreel": max(served) if served else 0},
+        "tokens_per_engine_kv_mib": {"vllm_small_cache": plain_longest / paged,
+                                     "kvreel": (max(served) if served else 0) / (paged + ws)},
+    }
+    summary["capacity_ratio"] = summary["tokens_per_engine_kv_mib"]["kvreel"] / \
+        summary["tokens_per_engine_kv_mib"]["vllm_small_cache"]
+    tp = {r["tokens"]: r for r in reel.get("rows", []) if "ttft_s" in r}
+    fp = {r["tokens"]: r for r in full.get("rows", []) if "ttft_s" in r}
+    if lengths[0] in tp and lengths[-1] in tp:
+        summary["kvreel_tpot_longest_over_shortest"] = tp[lengths[-1]]["tpot_ms"] / tp[lengths[0]]["tpot_ms"]
+    if lengths[-1] in tp and lengths[-1] in fp:
+        summary["kvreel_over_full_at_longest"] = {"tpot": tp[lengths[-1]]["tpot_ms"] / fp[lengths[-1]]["tpot_ms"],
+                                                  "ttft": tp[lengths[-1]]["ttft_s"] / fp[lengths[-1]]["ttft_s"]}
+    settings = {k: getattr(a, k) for k in ("lengths", "capacity", "blocks", "chunk", "decode", "method", "alpha",
+                                           "budget", "window", "min_tokens")}
+    settings["dre_pinning"] = os.environ.get("KVREEL_BENCH_DRE_PINNING", "none: the DRE shares the engine's cores")
+    path = save(a.name, {"model": Path(a.model).name, "settings": settings, "summary": summary, "runs": results})
+    print(f"wrote {path}")
+    _plots(a, runs, results, lengths + capacity)
+
+
+def _plots(a, runs, results, lengths) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label in runs:
+        rows = [r for r in results[label].get("rows", []) if "ttft_s" in r]
+        if not rows:
+            continue
+        x = [r["tokens"] for r in rows]
+        axes[0].plot(x, [r["tpot_ms"] for r in rows], marker="o", label=label)
+        axes[1].plot(x, [r["ttft_s"] for r in rows], marker="o", label=label)
+        axes[2].plot(x, [100 * (r["kv_cache_usage_max"] or 0) for r in rows], marker="o", label=label)
+    for ax, (ylabel, logy) in zip(axes, (("decode TPOT (ms)", False), ("TTFT (s)", True),
+                                        ("vLLM KV cache usage, max (%)", False))):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("session length (tokens)")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{Path(a.model).name}: long sessions, vLLM-cpu ({os.cpu_count()} cores)", fontsize=10)
+    fig.tight_layout()
+    out = Path(__file__).parent / "results" / f"{a.name}.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+        engine_main(json.loads(sys.argv[2]))
+    else:
+        main()

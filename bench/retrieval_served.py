@@ -1,0 +1,240 @@
+"""Retrieval quality as served, on a trained model over real text, in one run.
+
+1. In vLLM (teacher-forced): one long prompt, prefilled in small chunks so that
+   every chunk past ``--min-tokens`` attends through kvreel's retrieval (its
+   history offloaded, the working set chosen by the DRE); vLLM's prompt
+   logprobs give, at every position past the threshold, the model's top-1
+   token. Agreement = share of positions whose top-1 equals full attention's
+   (the same engine with retrieval off), and the mean |logprob difference| of
+   the actual next token. The working set's share of the history is kvreel's
+   own counters (kept / history blocks over every layer-step).
+2. Outside vLLM, the same selection code on captured queries/keys/values
+   (``RetrievalRuntime``'s slab history and ``select_slabs``, the DRE service's
+   clustering and mass prediction, each layer predicted from the previous
+   layer's queries as served, the real sink block and window): the relative
+   attention-output error per layer and KV head at decode positions, mean and
+   worst head, against the working set's share of the history.
+
+    python bench/retrieval_served.py --model models/smollm2-135m
+
+SmolLM2-135M comes from the PyPI GGUF (Q4_1, dequantized to bf16;
+``bench/smollm2_model.py``): a caveat for every figure measured on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import python_source_corpus, save  # noqa: E402
+
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
+
+def engine_main(args: dict) -> None:
+    from prometheus_client import REGISTRY
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=args["max_model_len"],
+              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=1, seed=0,
+              disable_log_stats=False,
+              kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "1GiB"}))
+    ids = json.loads(Path(args["prompt"]).read_text())
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    top1, actual = [], []
+    for pos, lp in enumerate(out.prompt_logprobs):
+        if lp is None:
+            top1.append(-1)
+            actual.append(0.0)
+            continue
+        top1.append(max(lp.items(), key=lambda kv: kv[1].logprob)[0])
+        actual.append(lp[ids[pos]].logprob)
+    metrics = {}
+    for m in REGISTRY.collect():
+        if m.name.startswith("vllm:kvreel_retrieval") or m.name.startswith("vllm:kvreel_dre"):
+            for s in m.samples:
+                if s.name.endswith("_total"):
+                    label = s.labels.get("outcome") or s.labels.get("how") or ""
+                    metrics[s.name + ("|" + label if label else "")] = s.value
+    print("RESULT " + json.dumps({"top1": top1, "actual": actual, "wall_s": wall, "metrics": metrics}), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+def run_engine(args: dict, env: dict) -> dict:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    full_env.update(env)
+    out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(args)], env=full_env,
+                         capture_output=True, text=True, timeout=7200)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError((out.stdout + out.stderr)[-4000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def agreement(ref: dict, got: dict, first: int) -> dict:
+    pairs = list(zip(ref["top1"][first:], got["top1"][first:]))
+    diffs = [abs(a - b) for a, b in zip(ref["actual"][first:], got["actual"][first:])]
+    m = got["metrics"]
+    kept, history = m.get("vllm:kvreel_retrieval_kept_blocks_total", 0), m.get(
+        "vllm:kvreel_retrieval_history_blocks_total", 0)
+    return {"positions": len(pairs), "top1_agreement": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+            "working_set_share_of_history": kept / history if history else None,
+            "steps": {k.split("|")[1]: v for k, v in m.items() if "retrieval_steps" in k},
+            "wall_s": got["wall_s"]}
+
+
+# -- 2. attention-output error through the serving selection -----------------------------
+
+def served_errors(model: str, ids: list[int], method: str, alpha: float, budget: int, window: int,
+                  positions: list[int], block: int = 32) -> dict:
+    """Relative attention-output error of decode queries at ``positions`` when
+    each layer attends to what the served selection keeps."""
+    from kv_capture import capture_qkv_ids
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
+    from kvreel.connector.retrieval.history import LayerHistory
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    from kvreel.connector.retrieval.runtime import select_slabs
+    q_all, k_all, v_all = capture_qkv_ids(model, ids)          # [L, Hq, T, D], [L, Hkv, T, D]
+    L, Hq, T, D = q_all.shape
+    H = k_all.shape[1]
+    G = Hq // H
+    packing = PagePacking(block, D, torch.bfloat16, _get_attn_isa(torch.bfloat16, block, D, "auto"))
+    service = DREService()
+
+    def call(op, **fields):
+        msg = {"op": op, **{k: put_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}}
+        reply = service.handle(msg)
+        return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
+
+    errors, shares = [], []
+    for p in positions:
+        hist_blocks = (p - window) // block                    # blocks that left the window (sink included)
+        resident = torch.arange(hist_blocks * block, p + 1)    # window and the decoded token itself
+        for layer in range(L):
+            k = k_all[layer, :, :p + 1].transpose(0, 1).bfloat16()      # [tokens, H, D]
+            v = v_all[layer, :, :p + 1].transpose(0, 1).bfloat16()
+            pages = torch.zeros(hist_blocks, H, 2 * block, D, dtype=torch.bfloat16)
+            packing.pack(k[:hist_blocks * block], v[:hist_blocks * block], pages, torch.arange(hist_blocks * block))
+            lh = LayerHistory(H, block, D, torch.bfloat16, packing)
+            keys = lh.append(pages, 0)
+            handle = f"p{p}/{layer}"
+            labels = call("cluster", handle=handle, keys=keys, method=method)["labels"]
+            lh.set_labels(block, labels)
+            lh.compact()
+            # as served: layer l's working set is predicted from layer l-1's queries (layer 0: its own)
+            source = max(layer - 1, 0)
+            queries = q_all[source, :, p].view(H, G, D)
+            mass = call("mass", handle=handle, queries=queries, alpha=alpha)["mass"]
+            slabs = select_slabs(lh.slab_mass(mass), alpha, budget // block - 1)
+            call("drop", handle=handle)
+            shares.append((1 + slabs.shape[1]) / hist_blocks)
+            q = q_all[layer, :, p].view(H, G, D)
+            for h in range(H):
+                kept = torch.cat([torch.arange(block), lh.tokens[h, slabs[h]].flatten(), resident])
+                full = _attend(q[h], k_all[layer, h, :p + 1], v_all[layer, h, :p + 1])
+                part = _attend(q[h], k_all[layer, h, kept], v_all[layer, h, kept])
+                errors.append(((part - full).norm() / full.norm()).item())
+    errors_t = torch.tensor(errors)
+    return {"positions": positions, "mean_error": errors_t.mean().item(), "worst_head_error": errors_t.max().item(),
+            "p99_error": errors_t.quantile(0.99).item(), "working_set_share_of_history": sum(shares) / len(shares)}
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    w = torch.softmax(q.float() @ k.float().T / math.sqrt(q.shape[-1]), dim=-1)
+    return w @ v.float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=7168)
+    ap.add_argument("--chunk", type=int, default=64, help="prefill chunk: how finely the prompt is stepped")
+    ap.add_argument("--min-tokens", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--configs", default="resv:0.99:1024,resv:0.99:2048,mosaic:0.99:1024,mosaic:0.99:2048",
+                    help="method:alpha:budget_tokens, comma separated")
+    ap.add_argument("--error-positions", default="3072,4096,5120,6144,7040")
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    ids = tok(python_source_corpus(12 * a.tokens))["input_ids"][:a.tokens]
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-served"
+    work.mkdir(exist_ok=True)
+    (work / "prompt.json").write_text(json.dumps(ids))
+    args = {"model": a.model, "prompt": str(work / "prompt.json"), "chunk": a.chunk, "max_model_len": a.tokens + 64}
+    print("== full attention", flush=True)
+    ref = run_engine(args, {})
+    results = {"full attention": {"wall_s": ref["wall_s"]}}
+    configs = [c.split(":") for c in a.configs.split(",")]
+    for method, alpha, budget in configs:
+        label = f"{method} alpha={alpha} budget={budget}"
+        print(f"== {label}", flush=True)
+        env = {"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_ALPHA": alpha, "KVREEL_RETRIEVAL_BUDGET_TOKENS": budget,
+               "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens), "KVREEL_RETRIEVAL_WINDOW": str(a.window),
+               "KVREEL_RETRIEVAL_DEADLINE_MS": "1000"}
+        got = run_engine(args, env)
+        results[label] = {"teacher_forced": agreement(ref, got, a.min_tokens)}
+        print(json.dumps(results[label]), flush=True)
+        results[label]["attention_error"] = served_errors(
+            a.model, ids, method, float(alpha), int(budget), a.window,
+            [int(x) for x in a.error_positions.split(",")])
+        print(json.dumps(results[label]["attention_error"]), flush=True)
+    name = a.name or f"retrieval_served_{Path(a.model).name}"
+    settings = {k: getattr(a, k) for k in ("tokens", "chunk", "min_tokens", "window", "configs", "error_positions")}
+    path = save(name, {"model": Path(a.model).name, "settings": settings, "results": results})
+    print(f"wrote {path}")
+    _plot(name, results)
+
+
+def _plot(name: str, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, r in results.items():
+        if "teacher_forced" not in r:
+            continue
+        tf, ae = r["teacher_forced"], r["attention_error"]
+        axes[0].scatter(tf["working_set_share_of_history"], 100 * tf["top1_agreement"], label=label)
+        axes[1].scatter(ae["working_set_share_of_history"], ae["mean_error"], label=label + " (mean)")
+        axes[1].scatter(ae["working_set_share_of_history"], ae["worst_head_error"], marker="x",
+                        label=label + " (worst head)")
+    axes[0].axhline(97, color="grey", ls="--", lw=0.8)
+    axes[0].axvline(1 / 3, color="grey", ls="--", lw=0.8)
+    axes[0].set_xlabel("working set / history (kept blocks over layer-steps)")
+    axes[0].set_ylabel("top-1 agreement with full attention (%)")
+    axes[1].set_xlabel("working set / history")
+    axes[1].set_ylabel("relative attention-output error")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"retrieval as served: {name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(Path(__file__).parent / "results" / f"{name}.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+        engine_main(json.loads(sys.argv[2]))
+    else:
+        main()
