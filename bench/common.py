@@ -71,6 +71,20 @@ def commit() -> str:
     return head + ("+changes" if dirty else "")
 
 
+def retrieval_counters() -> dict[str, float]:
+    """kvreel's retrieval and DRE counters from this process's Prometheus
+    registry (an in-process vLLM engine), keyed ``name|label``."""
+    from prometheus_client import REGISTRY
+    out = {}
+    for metric in REGISTRY.collect():
+        if metric.name.startswith(("vllm:kvreel_retrieval", "vllm:kvreel_dre")):
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    label = sample.labels.get("outcome") or sample.labels.get("how") or ""
+                    out[sample.name + ("|" + label if label else "")] = sample.value
+    return out
+
+
 def save(name: str, payload: dict) -> Path:
     """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)

@@ -22,10 +22,11 @@ top-k (InfiniGen style; exact scores), Quest pages (per-page key min/max bound),
 per-row WiCSum on oracle mass (a bound, not a method), ReSV: hash-bit clusters
 of post-RoPE keys (centred on their mean, as served, or not), WiCSum on
 *predicted* mass (cluster size x exp(q . mean key)) per row or once per frame
-(on the rows' mean predicted distribution), whole clusters fetched; ReSV as the
-retrieval backend serves it (the DRE's clustering, WiCSum over 32-token cache
-pages by their tokens' predicted mass), and Mosaic (nested visual/semantic
+(on the rows' mean predicted distribution), whole clusters fetched, and Mosaic (nested visual/semantic
 clusters, two-stage WiCSum per frame, text segments standing in for frames).
+This is the algorithms' design space on captured Q/K/V; what the serving path
+does (previous-layer prediction, one page set per layer, the real sink and
+window) is measured by ``retrieval_served.py`` through vLLM itself.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
-from kvreel.connector.retrieval.dre_service import DREService, _select_blocks  # noqa: E402
 from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
 from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
                                              wicsum)
@@ -52,7 +52,6 @@ ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 0.999)
 REKV_RATIOS = RATIOS + (0.8, 0.9, 1.0)
 # (bits, hamming radius, keys centred before hashing: the serving default)
 RESV_CONFIGS = ((12, 0, False), (14, 0, False), (12, 0, True), (14, 0, True), (16, 0, True), (16, 1, True))
-SERVED_PAGE = 32                                     # vLLM cache block
 MOSAIC_CONFIGS = (16, 64)                            # semantic clusters per visual cluster
 
 
@@ -145,12 +144,6 @@ def methods(q, k, v, always, cand, visual, segment: int, page: int = 16):
             m = torch.zeros(R, N, dtype=torch.bool)
             m[:, idx] = wicsum(frame_scores(s), a)[0, cl.labels]         # one fetch per frame
             yield f"{name} per frame", a, with_always(m)
-    served = DREService()       # what the serving path does: its clustering, WiCSum over cache pages
-    cl = cluster_keys(k[idx], served._planes_for(k), served.hamming)
-    for a in ALPHAS:
-        m = torch.zeros(R, N, dtype=torch.bool)
-        m[:, idx[_select_blocks([cl], q.unsqueeze(0), idx.numel(), a, SERVED_PAGE)]] = True
-        yield f"ReSV {served.bits}b/h{served.hamming} pages of {SERVED_PAGE} (as served)", a, with_always(m)
     frame_of, visual_labels = visual
     for per_visual in MOSAIC_CONFIGS:
         index = MosaicIndex.build(k[idx], frame_of[idx], visual_labels, per_visual)

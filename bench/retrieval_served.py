@@ -35,14 +35,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, save  # noqa: E402
+from common import python_source_corpus, retrieval_counters, save  # noqa: E402
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
 
 
 def engine_main(args: dict) -> None:
-    from prometheus_client import REGISTRY
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -63,14 +62,8 @@ def engine_main(args: dict) -> None:
             continue
         top1.append(max(lp.items(), key=lambda kv: kv[1].logprob)[0])
         actual.append(lp[ids[pos]].logprob)
-    metrics = {}
-    for m in REGISTRY.collect():
-        if m.name.startswith("vllm:kvreel_retrieval") or m.name.startswith("vllm:kvreel_dre"):
-            for s in m.samples:
-                if s.name.endswith("_total"):
-                    label = s.labels.get("outcome") or s.labels.get("how") or ""
-                    metrics[s.name + ("|" + label if label else "")] = s.value
-    print("RESULT " + json.dumps({"top1": top1, "actual": actual, "wall_s": wall, "metrics": metrics}), flush=True)
+    print("RESULT " + json.dumps({"top1": top1, "actual": actual, "wall_s": wall, "metrics": retrieval_counters()}),
+          flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 

@@ -114,6 +114,8 @@ class KVReelScheduler:
             from kvreel.connector.retrieval.history_plan import HistoryPlanner
             self.history = HistoryPlanner(block_size, cfg.retrieval_window, cfg.retrieval_min_tokens)
         self._history_skip: dict[str, int] = {}
+        self._history_bytes = 0
+        self._warned_history_over_host = False
         if cfg.remote_url:
             from kvreel.connector.tiers.remote import RemoteLookups
             self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
@@ -282,6 +284,7 @@ class KVReelScheduler:
             elif new_ids:
                 st.block_ids += new_ids[0]
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
+        self._account_histories()
         self._plan_promotions()
         self._skip_zeroing_of_sync_loads(scheduler_output)
         meta = KVReelMetadata(self._loads, [op for op in self._stores.values() if op.tiers], self._evictions,
@@ -291,6 +294,29 @@ class KVReelScheduler:
         self._loads, self._stores, self._evictions = [], {}, {}
         self._sync_pins = []
         return meta
+
+    def _account_histories(self) -> None:
+        """Offloaded histories live in the worker's host memory, beside the host
+        tier: charge them to its byte budget, so a growing session pushes the
+        least recently used chunks out of host memory (their disk copies stay)
+        and new chunks go to the disk tier only. A live history is never dropped:
+        past the budget kvreel says so once and holds it anyway."""
+        if self.history is None or self.cfg.cpu_bytes <= 0:
+            return
+        want = sum(self.history.planned.values()) * self.bytes_per_block
+        grow = want - self._history_bytes
+        if grow > 0:
+            victims = self.host.victims_for(grow)
+            if victims is None:
+                victims = [c for c in self.host.lru.values() if c.pins == 0]
+                if not self._warned_history_over_host:
+                    self._warned_history_over_host = True
+                    logger.warning("kvreel: long sessions' histories (%s) exceed KVREEL_CPU_BYTES (%s); "
+                                   "host memory grows past it", format_bytes(want), format_bytes(self.cfg.cpu_bytes))
+            for victim in victims:
+                self._evict(victim, HOST)
+        self.host.used += grow
+        self._history_bytes = want
 
     def _plan_promotions(self) -> None:
         """Disk chunks loaded this step also go back into the host tier, room

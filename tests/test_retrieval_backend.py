@@ -112,25 +112,41 @@ def test_selected_history_is_what_attention_reads(setup):
     g = torch.Generator().manual_seed(1)
     layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
     _offload(runtime, cache, meta, 0, "r", blocks=14)
-    runtime.exact = False                 # alpha < 1: the DRE's predictions choose (here: given)
+    runtime.exact, runtime.budget_pages = False, 8    # alpha < 1, history past the budget: predictions choose (here: given)
     runtime._started = runtime._restarting = True           # and no DRE: the working set stays as filled
     lh = runtime.histories["r"].layers[0]
     keep = torch.tensor([[2, 7, 11], [4, 7, 12]])         # per head: slabs (history blocks 3, 8, 12 / 5, 8, 13)
     slot = runtime._slot("r")
     ws = runtime.working["r", 0] = WorkingSet(runtime._slot_view(0, slot), slot)
     runtime._fill(ws, lh, keep, prediction=5)
+    _check_attends(impl, layer, cache, meta, query, keep)
+    assert ws.slabs is not None and torch.equal(ws.slabs, keep)          # nothing replaced it
+    # a new choice: slabs that stay keep their pages, the rest are copied in (more, then fewer slabs)
+    for nxt in (torch.tensor([[11, 5, 2, 9], [10, 4, 0, 12]]), torch.tensor([[9, 3], [0, 6]])):
+        before = ws.slabs.clone()
+        runtime._fill(ws, lh, nxt, prediction=6)
+        for h in range(H):
+            assert sorted(ws.slabs[h].tolist()) == sorted(nxt[h].tolist())
+            for i, slab in enumerate(before[h, :nxt.shape[1]].tolist()):
+                if slab in nxt[h].tolist():
+                    assert int(ws.slabs[h, i]) == slab
+        _check_attends(impl, layer, cache, meta, query, ws.slabs)
+    assert runtime.take_stats().data["retrieval_steps|dre_down"] == 3
+
+
+def _check_attends(impl, layer, cache, meta, query, keep) -> None:
+    """float32 attention over exactly: the sink block, the kept slabs of each head
+    (slab i = history block i + 1), the resident blocks 14-16."""
+    from kvreel.connector.retrieval.page_packing import PagePacking
     out = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, out)
-    # float32 attention over exactly: sink block, the kept blocks of each head, the resident blocks 14-16
-    pages = cache.view(40, H, 2 * BS, D)
-    from kvreel.connector.retrieval.page_packing import PagePacking
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
     k_all, v_all = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    end = int(meta.seq_lens[0])
     for h in range(H):
         blocks = [0] + [s + 1 for s in keep[h].tolist()] + [14, 15, 16]
-        tokens = torch.cat([torch.arange(b * BS, min((b + 1) * BS, 16 * BS + 3)) for b in blocks])
+        tokens = torch.cat([torch.arange(b * BS, min((b + 1) * BS, end)) for b in blocks])
         k, v = k_all[tokens, h].float(), v_all[tokens, h].float()
         q = query[0, h * G:(h + 1) * G].float()
         w = torch.softmax(q @ k.T * D ** -0.5, dim=-1)
         assert torch.allclose(out[0, h * G:(h + 1) * G].float(), w @ v, atol=2e-2, rtol=2e-2)
-    assert ws.slabs is not None and torch.equal(ws.slabs, keep)          # nothing replaced it
-    assert runtime.take_stats().data["retrieval_steps|dre_down"] == 1

@@ -128,3 +128,30 @@ def test_the_manager_frees_only_what_kvreel_holds_outside_the_window():
     assert [b.is_null for b in mgr.req_to_blocks["r"][:9]] == [True] * 8 + [False]
     mgr.free("r")
     assert LEDGER.held("r") == 0                              # a new admission holds anew
+
+
+def test_histories_are_charged_to_the_host_budget_and_push_chunks_to_disk(tmp_path, caplog):
+    from kvreel.connector.config import KVReelConfig
+    from kvreel.connector.scheduler_side import Chunk, KVReelScheduler
+    from kvreel.connector.tiers import Tier
+    cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv", "KVREEL_CPU_BYTES": "10KiB",
+                                 "KVREEL_DISK_DIR": str(tmp_path), "KVREEL_DISK_BYTES": "1MiB",
+                                 "KVREEL_CHUNK_TOKENS": "32"})
+    sched = KVReelScheduler(cfg, "model", block_size=32, bytes_per_block=1024)
+    chunks = [Chunk(bytes([i]) * 16, [bytes([i])], 1024) for i in range(8)]
+    for chunk in chunks:
+        assert sched._admit(chunk, Tier.HOST) and sched._admit(chunk, Tier.DISK)
+    chunks[0].pins = 1
+    sched.history.planned["long"] = 5                    # 5 KiB of history: 3 LRU chunks leave host memory
+    sched._account_histories()
+    assert sched.host.used == 10 * 1024
+    assert [Tier.HOST in c.tiers for c in chunks] == [True, False, False, False, True, True, True, True]
+    assert all(Tier.DISK in c.tiers for c in chunks)                # their disk copies stay
+    assert sched._evictions[Tier.HOST] == [c.key for c in chunks[1:4]]
+    sched.history.planned["long"] = 20                   # past the budget: every unpinned chunk goes, it says so
+    sched._account_histories()
+    assert [Tier.HOST in c.tiers for c in chunks] == [True] + [False] * 7
+    assert "exceed KVREEL_CPU_BYTES" in caplog.text
+    sched.history.forget("long")                          # the session ended: its room comes back
+    sched._account_histories()
+    assert sched.host.used == 1024

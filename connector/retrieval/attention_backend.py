@@ -97,7 +97,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         for r, req_id in long_rows.items():
             q = query[qsl[r]:qsl[r + 1]]
             grouped = q.reshape(q.shape[0], H, G, -1).permute(1, 0, 2, 3).reshape(H, q.shape[0] * G, -1)
-            ws = rt.working_set(req_id, self.layer_index, grouped)
+            ws = rt.working_set(req_id, self.layer_index, grouped, decoding=q.shape[0] == 1)
             hist = rt.histories[req_id]
             seq_len = int(meta.seq_lens[r])
             resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()

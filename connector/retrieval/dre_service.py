@@ -288,10 +288,8 @@ def _token_mass(table, queries: torch.Tensor, owner: torch.Tensor) -> torch.Tens
     else:
         mass = torch.softmax(table.index.scores(queries.cpu()), dim=-1).mean(0)
         counts = torch.tensor([c.count for c in table.index.clusters], dtype=torch.float32)
-    valid = owner >= 0
-    out = torch.zeros(len(owner))
-    out[valid] = mass[owner[valid]] / counts[owner[valid]]
-    return out
+    per_token = (mass / counts)[owner.clamp_min(0)]
+    return torch.where(owner >= 0, per_token, 0.0)
 
 
 def _split_fetched(table: "MosaicSession", mass: torch.Tensor, owner: torch.Tensor, alpha: float) -> bool:
@@ -413,12 +411,15 @@ class DREProcess:
         self.restarts = 0
 
     def start(self, timeout: float = 30.0) -> DREClient:
-        env = dict(os.environ)
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         if self.secret:
             env["KVREEL_DRE_SECRET_HEX"] = self.secret.hex()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.retrieval.dre_service",
                                       "--address", self.address, "--bits", str(self.bits),
-                                      "--hamming", str(self.hamming), "--parent-pid", str(os.getpid())],
+                                      "--hamming", str(self.hamming), "--parent-pid", str(os.getpid()),
+                                      # beside the engine on its cores: one thread, and it yields to the
+                                      # engine (decode never waits for a prediction; prefill waits idle)
+                                      "--threads", "1", "--nice", "10"],
                                      env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -455,7 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hamming", type=int, default=0)
     ap.add_argument("--parent-pid", type=int, help="exit when this process is gone (set by DREProcess)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, help="torch threads for scoring on the CPU (default: torch's)")
+    ap.add_argument("--nice", type=int, default=0, help="lower the service's CPU priority by this much")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.nice:
+        os.nice(a.nice)
     hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
     secret = bytes.fromhex(hex_secret) if hex_secret else None
     DREService(a.bits, a.hamming, a.device, secret).serve(a.address, a.parent_pid)

@@ -232,7 +232,8 @@ class RetrievalRuntime:
                                                            self.head_dim, self.dtype, self.packing)
         if first_block != hist.num_blocks:
             raise ValueError(f"history of {req_id} holds {hist.num_blocks} blocks, got blocks from {first_block}")
-        client = None if self.exact_for(hist, extra=pages[0].shape[0]) else self.client()
+        # with alpha < 1 the DRE's tables grow with the history, ready when it outgrows the budget
+        client = None if self.exact and self.exact_for(hist, extra=pages[0].shape[0]) else self.client()
         for layer, layer_pages in enumerate(pages):
             lh = hist.layers[layer]
             first_token = max(first_block, 1) * self.block_size
@@ -247,8 +248,9 @@ class RetrievalRuntime:
                                                        self.head_dim)
 
     def exact_for(self, hist: RequestHistory, extra: int = 0) -> bool:
-        """Whether every history page (plus ``extra`` more) is attended to, in token order."""
-        return self.exact and (hist.num_blocks + extra) <= self.budget_pages
+        """Whether every history page (plus ``extra`` more) fits the budget: then
+        all are attended to, in token order, with no prediction needed."""
+        return (hist.num_blocks + extra) <= self.budget_pages
 
     # -- the DRE --------------------------------------------------------------------
     def client(self) -> DREClient | None:
@@ -317,6 +319,8 @@ class RetrievalRuntime:
         key = (req_id, layer)
         if key in self._asked or self._tables.get(key) != self._generation:
             return
+        if key in self._predicted and self._predicted[key][2] >= tokens:
+            return          # decode: one prediction per new history block, not per token
         self._next_prediction += 1
         self._asked[key] = (self._next_prediction, client.submit(
             "mass", handle=_handle(req_id, layer), queries=queries.float(), alpha=self.cfg.retrieval_alpha), tokens)
@@ -343,9 +347,13 @@ class RetrievalRuntime:
         return self._predicted.get(key) or ("late" if asked else "down")
 
     # -- attention ----------------------------------------------------------------------
-    def working_set(self, req_id: str, layer: int, queries: torch.Tensor) -> WorkingSet:
+    def working_set(self, req_id: str, layer: int, queries: torch.Tensor, decoding: bool = False) -> WorkingSet:
         """The working set of this (request, layer) for this step, refreshed from
-        the newest prediction; asks the DRE for the next layer's with these queries."""
+        the newest prediction; asks the DRE for the next layer's with these queries.
+        A prefill chunk waits up to the deadline for the prediction in flight (its
+        step is long; the DRE's answer is for this very chunk); a decode step
+        never waits once a prediction arrived: it takes the newest there is, so
+        the DRE's cost is hidden and per-token latency does not follow it."""
         hist = self.histories[req_id]
         lh = hist.layers[layer]
         ws = self.working.get((req_id, layer))
@@ -365,7 +373,8 @@ class RetrievalRuntime:
                 self._ask(client, req_id, nxt, queries, lh.num_tokens)
             if layer == 0:
                 self._ask(client, req_id, 0, queries, lh.num_tokens)     # serves the next step
-        got = self._prediction(req_id, layer, lh, wait=client is not None)
+        waits = client is not None and (not decoding or (req_id, layer) not in self._predicted)
+        got = self._prediction(req_id, layer, lh, wait=waits)
         if isinstance(got, tuple):
             pid, mass, tokens = got
             if pid != ws.prediction or ws.version != lh.version or lh.n_slabs != ws.known:
@@ -386,25 +395,29 @@ class RetrievalRuntime:
         return ws
 
     def _fill(self, ws: WorkingSet, lh: LayerHistory, slabs: torch.Tensor, prediction: int) -> None:
-        """Copy the chosen slabs of every head behind the sink page (only those
-        not already in place)."""
+        """Bring the chosen slabs of every head behind the sink page, copying only
+        those not already there (a slab that stays keeps its place: the order of
+        history pages does not matter to attention, and a step's new choice
+        mostly repeats the last one)."""
         slabs = slabs.contiguous()
         m = slabs.shape[1]
         if lh.sink is not None and ws.slabs is None:
             ws.buffer[0] = lh.sink
-        same = ws.slabs is not None and ws.version == lh.version
-        for h in range(self.heads):
-            want = slabs[h]
-            if same:
-                have = ws.slabs[h]
-                k = min(len(have), m)
-                changed = torch.nonzero(have[:k] != want[:k]).flatten()
-                if k < m:
-                    changed = torch.cat([changed, torch.arange(k, m)])
-                if changed.numel():
-                    ws.buffer[1 + changed, h] = lh.slabs[h].index_select(0, want[changed])
-            else:
-                ws.buffer[1:1 + m, h] = lh.slabs[h].index_select(0, want)
+        if ws.slabs is None or ws.version != lh.version:
+            for h in range(self.heads):
+                ws.buffer[1:1 + m, h] = lh.slabs[h].index_select(0, slabs[h])
+        else:
+            placed = torch.full_like(slabs, -1)
+            for h in range(self.heads):
+                have = ws.slabs[h, :m]
+                stays = torch.isin(have, slabs[h])
+                placed[h, :len(have)] = torch.where(stays, have, -1)
+                free = torch.nonzero(placed[h] < 0).flatten()
+                if free.numel():
+                    incoming = slabs[h][~torch.isin(slabs[h], have[stays])]
+                    placed[h, free] = incoming
+                    ws.buffer[1 + free, h] = lh.slabs[h].index_select(0, incoming)
+            slabs = placed
         ws.slabs, ws.version, ws.prediction, ws.known = slabs, lh.version, prediction, lh.n_slabs
 
     def compact(self, req_id: str) -> None:
