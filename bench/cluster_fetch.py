@@ -69,8 +69,7 @@ def main() -> None:
         keys = lh.append(pages, 0)
         lh.set_labels(bs, call("cluster", handle="h", keys=keys, method=a.method)["labels"])
         lh.compact()
-        source = max(layer - 1, 0)                                   # predicted from the previous layer, as served
-        mass = call("mass", handle="h", queries=q_all[source, :, -1].view(H, G, D), alpha=a.alpha)["mass"]
+        mass = call("mass", handle="h", queries=q_all[layer, :, -1].view(H, G, D), alpha=a.alpha)["mass"]
         for budget in BUDGETS:
             slabs = select_slabs(lh.slab_mass(mass), a.alpha, budget // bs - 1)
             m = slabs.shape[1]

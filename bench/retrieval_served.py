@@ -10,8 +10,9 @@
    own counters (kept / history blocks over every layer-step).
 2. Outside vLLM, the same selection code on captured queries/keys/values
    (``RetrievalRuntime``'s slab history and ``select_slabs``, the DRE service's
-   clustering and mass prediction, each layer predicted from the previous
-   layer's queries as served, the real sink block and window): the relative
+   clustering and mass prediction; as a decode step is served, each layer's
+   selection predicted from its own queries at the step its history last grew
+   a block; the real sink block and window): the relative
    attention-output error per layer and KV head at decode positions, mean and
    worst head, against the working set's share of the history.
 
@@ -69,7 +70,7 @@ def engine_main(args: dict) -> None:
 
 def run_engine(args: dict, env: dict) -> dict:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    full_env.update(env)
+    full_env.update({"VLLM_CPU_KVCACHE_SPACE": "2", **env})
     out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(args)], env=full_env,
                          capture_output=True, text=True, timeout=7200)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -116,37 +117,45 @@ def served_errors(model: str, ids: list[int], method: str, alpha: float, budget:
         reply = service.handle(msg)
         return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
 
-    errors, shares = [], []
+    # as a decode step is served: the layer's own queries, at the step its history last grew a
+    # block; the baseline: the previous layer's queries (cross-layer prefetch, not served)
+    sources = {"served": 0, "previous layer's queries": 1}
+    errors: dict[str, list[float]] = {name: [] for name in sources}
+    shares: dict[str, list[float]] = {name: [] for name in sources}
     for p in positions:
         hist_blocks = (p - window) // block                    # blocks that left the window (sink included)
         resident = torch.arange(hist_blocks * block, p + 1)    # window and the decoded token itself
+        asked_at = hist_blocks * block + window
         for layer in range(L):
             k = k_all[layer, :, :p + 1].transpose(0, 1).bfloat16()      # [tokens, H, D]
             v = v_all[layer, :, :p + 1].transpose(0, 1).bfloat16()
             pages = torch.zeros(hist_blocks, H, 2 * block, D, dtype=torch.bfloat16)
             packing.pack(k[:hist_blocks * block], v[:hist_blocks * block], pages, torch.arange(hist_blocks * block))
-            lh = LayerHistory(H, block, D, torch.bfloat16, packing)
-            keys = lh.append(pages, 0)
-            handle = f"p{p}/{layer}"
-            labels = call("cluster", handle=handle, keys=keys, method=method)["labels"]
-            lh.set_labels(block, labels)
-            lh.compact()
-            # as served: layer l's working set is predicted from layer l-1's queries (layer 0: its own)
-            source = max(layer - 1, 0)
-            queries = q_all[source, :, p].view(H, G, D)
-            mass = call("mass", handle=handle, queries=queries, alpha=alpha)["mass"]
-            slabs = select_slabs(lh.slab_mass(mass), alpha, budget // block - 1)
-            call("drop", handle=handle)
-            shares.append((1 + slabs.shape[1]) / hist_blocks)
             q = q_all[layer, :, p].view(H, G, D)
-            for h in range(H):
-                kept = torch.cat([torch.arange(block), lh.tokens[h, slabs[h]].flatten(), resident])
-                full = _attend(q[h], k_all[layer, h, :p + 1], v_all[layer, h, :p + 1])
-                part = _attend(q[h], k_all[layer, h, kept], v_all[layer, h, kept])
-                errors.append(((part - full).norm() / full.norm()).item())
-    errors_t = torch.tensor(errors)
-    return {"positions": positions, "mean_error": errors_t.mean().item(), "worst_head_error": errors_t.max().item(),
-            "p99_error": errors_t.quantile(0.99).item(), "working_set_share_of_history": sum(shares) / len(shares)}
+            for name, back in sources.items():
+                lh = LayerHistory(H, block, D, torch.bfloat16, packing)
+                keys = lh.append(pages, 0)
+                handle = f"p{p}/{layer}/{back}"
+                lh.set_labels(block, call("cluster", handle=handle, keys=keys, method=method)["labels"])
+                lh.compact()
+                queries = q_all[max(layer - back, 0), :, asked_at].view(H, G, D)
+                mass = call("mass", handle=handle, queries=queries, alpha=alpha)["mass"]
+                slabs = select_slabs(lh.slab_mass(mass), alpha, budget // block - 1)
+                call("drop", handle=handle)
+                shares[name].append((1 + slabs.shape[1]) / hist_blocks)
+                for h in range(H):
+                    kept = torch.cat([torch.arange(block), lh.tokens[h, slabs[h]].flatten(), resident])
+                    full = _attend(q[h], k_all[layer, h, :p + 1], v_all[layer, h, :p + 1])
+                    part = _attend(q[h], k_all[layer, h, kept], v_all[layer, h, kept])
+                    errors[name].append(((part - full).norm() / full.norm()).item())
+    out = {"positions": positions}
+    for name in sources:
+        e = torch.tensor(errors[name])
+        stats = {"mean_error": e.mean().item(), "worst_head_error": e.max().item(),
+                 "p99_error": e.quantile(0.99).item(),
+                 "working_set_share_of_history": sum(shares[name]) / len(shares[name])}
+        out.update(stats if name == "served" else {name: stats})
+    return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -163,7 +172,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--configs", default="resv:0.99:1024,resv:0.99:2048,mosaic:0.99:1024,mosaic:0.99:2048",
                     help="method:alpha:budget_tokens, comma separated")
-    ap.add_argument("--error-positions", default="3072,4096,5120,6144,7040")
+    ap.add_argument("--error-positions", default="3089,4117,5141,6163,7061",
+                    help="decode positions for the attention-output error (not block-aligned: the prediction "
+                         "then comes from an earlier token, as served)")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer

@@ -17,11 +17,12 @@ What each layer keeps:
   over its own cache;
 * otherwise the DRE predicts each history token's attention mass from the
   clusters of the layer's keys; per KV head, slabs are kept in descending mass
-  until ``alpha`` of it (WiCSum) or the budget. A layer's prediction is asked
-  for with the previous layer's queries (cross-layer prefetch), so the DRE works
-  while attention runs; attention waits for it at most
-  ``KVREEL_RETRIEVAL_DEADLINE_MS``, else keeps its previous working set (or, for
-  a first one, the most recent history), counted as late or down.
+  until ``alpha`` of it (WiCSum) or the budget. A layer's prediction comes from
+  its own queries: a prefill chunk's from its own, waited for at most
+  ``KVREEL_RETRIEVAL_DEADLINE_MS``; a decode step's from the step its history
+  last grew a block, never waited for (see ``working_set``). Without one in
+  time a layer keeps its previous working set (or, for a first one, the most
+  recent history), counted as late or down.
 
 Slabs that joined the history after the last prediction are always kept."""
 
@@ -349,11 +350,14 @@ class RetrievalRuntime:
     # -- attention ----------------------------------------------------------------------
     def working_set(self, req_id: str, layer: int, queries: torch.Tensor, decoding: bool = False) -> WorkingSet:
         """The working set of this (request, layer) for this step, refreshed from
-        the newest prediction; asks the DRE for the next layer's with these queries.
-        A prefill chunk waits up to the deadline for the prediction in flight (its
-        step is long; the DRE's answer is for this very chunk); a decode step
-        never waits once a prediction arrived: it takes the newest there is, so
-        the DRE's cost is hidden and per-token latency does not follow it."""
+        the newest prediction of the layer's attention mass, made from the
+        layer's own queries (another layer's queries live in another projection
+        space and predict far worse: bench/retrieval_served.py). A prefill chunk
+        asks with its own queries and waits up to the deadline (its step is
+        long). A decode step never waits once a prediction has arrived: it takes
+        the newest, made from this layer's queries at the step the history last
+        grew a block, and asks anew when it grows again; the DRE works during
+        the steps that follow, so per-token latency does not carry its cost."""
         hist = self.histories[req_id]
         lh = hist.layers[layer]
         ws = self.working.get((req_id, layer))
@@ -365,16 +369,15 @@ class RetrievalRuntime:
             self.count("retrieval_steps", label="exact")
             return ws
         client = self.client()
+        first = (req_id, layer) not in self._predicted
         if client is not None:
             if self._tables.get((req_id, layer)) != self._generation:
                 self._send_keys(client, req_id, layer, lh, lh.keys(), self.block_size)
-            nxt = layer + 1 if layer + 1 < self.num_layers else None
-            if nxt is not None and nxt in self.caches:
-                self._ask(client, req_id, nxt, queries, lh.num_tokens)
-            if layer == 0:
-                self._ask(client, req_id, 0, queries, lh.num_tokens)     # serves the next step
-        waits = client is not None and (not decoding or (req_id, layer) not in self._predicted)
-        got = self._prediction(req_id, layer, lh, wait=waits)
+            if not decoding or first:
+                self._ask(client, req_id, layer, queries, lh.num_tokens)
+        got = self._prediction(req_id, layer, lh, wait=client is not None and (not decoding or first))
+        if client is not None and decoding:
+            self._ask(client, req_id, layer, queries, lh.num_tokens)         # for the steps to come
         if isinstance(got, tuple):
             pid, mass, tokens = got
             if pid != ws.prediction or ws.version != lh.version or lh.n_slabs != ws.known:
