@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import plot_lines, save  # noqa: E402
+from common import in_process_dre, plot_lines, save  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
 BUDGETS = (512, 1024, 2048, 4096)
@@ -41,7 +41,6 @@ def main() -> None:
     a = ap.parse_args()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
     from kvreel.connector.retrieval.history import LayerHistory
     from kvreel.connector.retrieval.page_packing import PagePacking
     from kvreel.connector.retrieval.runtime import select_slabs
@@ -51,12 +50,7 @@ def main() -> None:
     H = k_all.shape[1]
     G = Hq // H
     packing = PagePacking(bs, D, torch.bfloat16, _get_attn_isa(torch.bfloat16, bs, D, "auto"))
-    service = DREService()
-
-    def call(op, **fields):
-        reply = service.handle({"op": op, **{k: put_tensor(v) if isinstance(v, torch.Tensor) else v
-                                             for k, v in fields.items()}})
-        return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
+    call = in_process_dre()
 
     rows = []
     n_blocks = T // bs

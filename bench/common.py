@@ -85,6 +85,22 @@ def retrieval_counters() -> dict[str, float]:
     return out
 
 
+def in_process_dre():
+    """The DRE service's request handler in this process, as a function
+    ``call(op, **fields)`` taking and returning tensors (what the worker's
+    client sends and gets over the socket)."""
+    import torch
+
+    from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
+    service = DREService()
+
+    def call(op: str, **fields):
+        reply = service.handle({"op": op, **{k: put_tensor(v) if isinstance(v, torch.Tensor) else v
+                                             for k, v in fields.items()}})
+        return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
+    return call
+
+
 def save(name: str, payload: dict) -> Path:
     """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)

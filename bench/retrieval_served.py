@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, retrieval_counters, save  # noqa: E402
+from common import in_process_dre, python_source_corpus, retrieval_counters, save  # noqa: E402
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -101,7 +101,6 @@ def served_errors(model: str, ids: list[int], method: str, alpha: float, budget:
     from kv_capture import capture_qkv_ids
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
     from kvreel.connector.retrieval.history import LayerHistory
     from kvreel.connector.retrieval.page_packing import PagePacking
     from kvreel.connector.retrieval.runtime import select_slabs
@@ -110,12 +109,7 @@ def served_errors(model: str, ids: list[int], method: str, alpha: float, budget:
     H = k_all.shape[1]
     G = Hq // H
     packing = PagePacking(block, D, torch.bfloat16, _get_attn_isa(torch.bfloat16, block, D, "auto"))
-    service = DREService()
-
-    def call(op, **fields):
-        msg = {"op": op, **{k: put_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}}
-        reply = service.handle(msg)
-        return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
+    call = in_process_dre()
 
     # as a decode step is served: the layer's own queries, at the step its history last grew a
     # block; the baseline: the previous layer's queries (cross-layer prefetch, not served)
@@ -170,7 +164,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk: how finely the prompt is stepped")
     ap.add_argument("--min-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--configs", default="resv:0.99:1024,resv:0.99:2048,mosaic:0.99:1024,mosaic:0.99:2048",
+    ap.add_argument("--configs", default="resv:0.99:1024,resv:0.99:1536,mosaic:0.99:1024,mosaic:0.99:1536",
                     help="method:alpha:budget_tokens, comma separated")
     ap.add_argument("--error-positions", default="3089,4117,5141,6163,7061",
                     help="decode positions for the attention-output error (not block-aligned: the prediction "

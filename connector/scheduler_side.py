@@ -217,11 +217,7 @@ class KVReelScheduler:
                 last.block_ids.append(block_ids[i])
                 continue
             pieces.append(LoadPiece(chunk.key, tier, row, [block_ids[i]]))
-            if chunk not in chunks:
-                chunks.append(chunk)
-                chunk.pins += 1
-                for budget in self.budgets.values():
-                    budget.touch(chunk)
+            self._pin_for_load(chunk, chunks)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
         is_async = (any(p.tier != HOST for p in pieces) or bool(history)) and not self.blocking
@@ -236,6 +232,14 @@ class KVReelScheduler:
         if self.history is not None:
             self.history.admitted(request.request_id, skip)
 
+    def _pin_for_load(self, chunk: Chunk, chunks: list[Chunk]) -> None:
+        """A chunk a load reads from: pinned once per load (no eviction under it), and recently used."""
+        if chunk not in chunks:
+            chunks.append(chunk)
+            chunk.pins += 1
+            for budget in self.budgets.values():
+                budget.touch(chunk)
+
     def _plan_history_loads(self, request, skip: int, chunks: list[Chunk]) -> list[HistoryPiece]:
         """Blocks ``[0, skip)`` of an admitted long prefix, from kvreel's local
         tiers into the request's history (their chunks pinned with the rest)."""
@@ -248,11 +252,7 @@ class KVReelScheduler:
                 last.n += 1
                 continue
             pieces.append(HistoryPiece(chunk.key, tier, row, 1, i))
-            if chunk not in chunks:
-                chunks.append(chunk)
-                chunk.pins += 1
-                for budget in self.budgets.values():
-                    budget.touch(chunk)
+            self._pin_for_load(chunk, chunks)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", p.n, p.tier)
         return pieces
