@@ -101,6 +101,35 @@ def in_process_dre():
     return call
 
 
+def engine_in_subprocess(script: str, args: dict, env: dict, timeout: float) -> dict:
+    """Run ``script --engine ARGS`` (one vLLM engine configuration in a fresh
+    process, kvreel's settings only from ``env``) and return what it printed
+    with ``report``; ``{"error": output tail}`` when it printed nothing."""
+    import os
+    import subprocess
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    full_env.update(env)
+    out = subprocess.run([sys.executable, script, "--engine", json.dumps(args)], env=full_env,
+                         capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"error": (out.stdout + out.stderr)[-4000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def report(result: dict) -> None:
+    """An engine process's result, for ``engine_in_subprocess``."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def engine_or_main(engine_main, main) -> None:
+    """A benchmark script's entry: ``--engine ARGS`` runs one engine configuration, else the benchmark."""
+    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
+        engine_main(json.loads(sys.argv[2]))
+    else:
+        main()
+
+
 def save(name: str, payload: dict) -> Path:
     """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)

@@ -23,13 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, retrieval_counters, save  # noqa: E402
+from common import (engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
+                    retrieval_counters, save)
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -37,14 +37,7 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 def run_engine(args: dict) -> dict:
     """One engine configuration in a fresh process (vLLM spawns its own engine processes)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    env.update(args.get("env", {}))
-    out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(args)], env=env, capture_output=True,
-                         text=True, timeout=args.get("timeout", 3600))
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        return {"error": (out.stdout + out.stderr)[-3000:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return engine_in_subprocess(__file__, args, args.get("env", {}), timeout=3600)
 
 
 def engine_main(args: dict) -> None:
@@ -62,7 +55,7 @@ def engine_main(args: dict) -> None:
                   max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=4, seed=0,
                   disable_log_stats=False, **kw)
     except Exception as e:  # noqa: BLE001 — a refused configuration is a result
-        print("RESULT " + json.dumps({"refused": f"{type(e).__name__}: {str(e)[-600:]}"}), flush=True)
+        report({"refused": f"{type(e).__name__}: {str(e)[-600:]}"})
         return
     engine = llm.llm_engine
     prompts = json.loads(Path(args["prompts"]).read_text())
@@ -93,7 +86,7 @@ def engine_main(args: dict) -> None:
                      "kv_cache_usage_max": max(u for u in usage if u is not None) if any(usage) else None,
                      "kv_cache_usage_end": usage[-1]})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("RESULT " + json.dumps({"rows": rows, "metrics": retrieval_counters()}), flush=True)
+    report({"rows": rows, "metrics": retrieval_counters()})
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -231,7 +224,4 @@ def _plots(a, runs, results, lengths) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
-        engine_main(json.loads(sys.argv[2]))
-    else:
-        main()
+    engine_or_main(engine_main, main)

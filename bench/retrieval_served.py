@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import in_process_dre, python_source_corpus, retrieval_counters, save  # noqa: E402
+from common import (engine_in_subprocess, engine_or_main, in_process_dre, python_source_corpus,  # noqa: E402
+                    report, retrieval_counters, save)
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -63,20 +63,15 @@ def engine_main(args: dict) -> None:
             continue
         top1.append(max(lp.items(), key=lambda kv: kv[1].logprob)[0])
         actual.append(lp[ids[pos]].logprob)
-    print("RESULT " + json.dumps({"top1": top1, "actual": actual, "wall_s": wall, "metrics": retrieval_counters()}),
-          flush=True)
+    report({"top1": top1, "actual": actual, "wall_s": wall, "metrics": retrieval_counters()})
     llm.llm_engine.engine_core.shutdown()
 
 
 def run_engine(args: dict, env: dict) -> dict:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    full_env.update({"VLLM_CPU_KVCACHE_SPACE": "2", **env})
-    out = subprocess.run([sys.executable, __file__, "--engine", json.dumps(args)], env=full_env,
-                         capture_output=True, text=True, timeout=7200)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError((out.stdout + out.stderr)[-4000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    got = engine_in_subprocess(__file__, args, {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=7200)
+    if "error" in got:
+        raise RuntimeError(got["error"])
+    return got
 
 
 def agreement(ref: dict, got: dict, first: int) -> dict:
@@ -232,7 +227,4 @@ def _plot(name: str, results: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--engine":
-        engine_main(json.loads(sys.argv[2]))
-    else:
-        main()
+    engine_or_main(engine_main, main)
