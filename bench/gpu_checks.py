@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import commit, machine  # noqa: E402
 
 
 def nvdec_checks(data_dir: Path) -> dict:
@@ -120,8 +121,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=".gpu_data")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--commit", help="the commit the copied tree is at, where it has no git history")
     a = ap.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    result = {"benchmark": "gpu_checks", "commit": a.commit or commit(),
+              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine()}
     try:
         result["copy_path"] = copy_bench()
     except Exception as e:  # report and keep going: one broken check must not hide the others
