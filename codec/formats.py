@@ -224,6 +224,11 @@ def chunk_dir(root: str | Path, identity: str, rank: int) -> Path:
     return Path(root) / identity / f"rank{rank}"
 
 
+def identity_description_path(root: str | Path, identity: str) -> Path:
+    """The JSON beside an identity's chunks naming the model, dtypes and layout it stands for."""
+    return Path(root) / identity / "identity.json"
+
+
 def chunk_path(root: str | Path, identity: str, rank: int, key: bytes) -> Path:
     h = key.hex()
     return chunk_dir(root, identity, rank) / h[:2] / f"{h}.kvr"

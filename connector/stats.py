@@ -55,6 +55,12 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                    "session's new blocks", ("how",)),
 }
 
+# label values exported at zero from start-up, so a dashboard (or a person
+# reading /metrics) finds the series before the first event
+KNOWN_LABEL_VALUES = {"tier": ("host", "disk", "remote"),
+                      "outcome": ("exact", "selected", "dre_late", "dre_down"),
+                      "how": ("clustered", "extended")}
+
 
 @dataclass
 class KVReelStats(KVConnectorStats):
@@ -113,6 +119,11 @@ class KVReelPromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(name=prom, documentation=doc, labelnames=self._labelnames + list(labels))
             for name, (prom, doc, labels) in COUNTERS.items()
         }
+        for name, (_, _, labels) in COUNTERS.items():
+            values = KNOWN_LABEL_VALUES.get(labels[0], ()) if labels else ((),)
+            for engine_values in self.per_engine_labelvalues.values():
+                for value in values:
+                    self._counters[name].labels(*map(str, engine_values), *([value] if labels else []))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         base = [str(v) for v in self.per_engine_labelvalues[engine_idx]]

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 class KVReelWorker:
-    def __init__(self, cfg: KVReelConfig, identity: str, rank: int):
+    def __init__(self, cfg: KVReelConfig, identity: str, rank: int, description: dict | None = None):
         self.cfg = cfg
         self.identity = identity
+        self.description = description     # what the identity digest stands for (model, dtypes, layout)
         self.rank = rank
         self.pages: PagedRegions | None = None
         self.tiers: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
@@ -58,7 +59,8 @@ class KVReelWorker:
                                    f"{len(self.pages.regions)} regions)")
         if self.cfg.disk_dir:
             self.tiers[Tier.DISK] = DiskTier(self.cfg.disk_dir, self.identity, self.rank,
-                                             self.cfg.disk_write_queue, on_error=self._on_disk_error)
+                                             self.cfg.disk_write_queue, on_error=self._on_disk_error,
+                                             description=self.description)
         if self.cfg.remote_url:
             self._start_remote(kv_cache_config)
 

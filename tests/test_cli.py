@@ -34,21 +34,51 @@ def test_doctor_reports_tiers_and_refuses_bad_settings(tmp_path, redis_server):
     assert "did you mean KVREEL_CPU_BYTES?" in bad.stdout
 
 
-def test_inspect_reads_both_formats(tmp_path):
+def test_inspect_says_what_a_chunk_and_a_disk_tier_hold(tmp_path):
+    import json
     kv = torch.randn(2, 2, 40, 2, 64).to(torch.bfloat16)
     path = tmp_path / "c.kvrc"
     path.write_bytes(encode_chunk(kv, resolutions=(144,)))
     out = kvreel("inspect", str(path))
-    assert out.returncode == 0 and '"container": "codec"' in out.stdout and '"resolution": 144' in out.stdout
-    tier = DiskTier(tmp_path, "model-x", 0, queue_size=2)
-    tier.put(b"\x07" * 32, [b"\x01" * 32], torch.zeros(1, 1, 64, dtype=torch.uint8))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["container"], info["tokens"], info["dtype"]) == ("codec", 40, "bfloat16")
+    assert info["form"] == "video (lossless HEVC)" and info["resolutions"][0]["resolution"] == 144
+    disk = tmp_path / "disk"
+    tier = DiskTier(disk, "model-x", 0, queue_size=2,
+                    description={"model": "/models/tiny", "dtype": "torch.bfloat16", "block_size": 32})
+    tier.put(b"\x07" * 32, [b"\x01" * 32, b"\x02" * 32], torch.zeros(1, 2, 64, dtype=torch.uint8))
     tier.flush()
     tier.close()
     out = kvreel("inspect", str(tier.path(b"\x07" * 32)))
-    assert out.returncode == 0 and '"identity": "model-x"' in out.stdout
-    (tmp_path / "junk").write_bytes(b"hello world")
-    bad = kvreel("inspect", str(tmp_path / "junk"))
-    assert bad.returncode == 1 and "bad magic" in bad.stderr
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["model"], info["tokens"], info["blocks"], info["identity"]) == ("/models/tiny", 64, 2, "model-x")
+    assert info["form"].startswith("raw")
+    out = kvreel("inspect", str(disk))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["identities"]["model-x"]["model"] == "/models/tiny"
+    assert json.loads(out.stdout)["identities"]["model-x"]["chunks"] == 1
+    for junk in (b"hello world", b"ab", b""):
+        (tmp_path / "junk").write_bytes(junk)
+        bad = kvreel("inspect", str(tmp_path / "junk"))
+        assert bad.returncode == 1 and "not a kvreel chunk file" in bad.stderr, junk
+
+
+def test_help_is_plain_text_and_readme_lists_every_command():
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = re.search(r"## Command line\n+```\n(.*?)```", readme, re.S).group(1)
+    top = kvreel("--help")
+    commands = re.search(r"\{([a-z,-]+)\}", top.stdout).group(1).split(",")
+    assert len(commands) >= 8
+    for command in commands:
+        assert re.search(rf"^kvreel {command}\b", listed, re.M), command
+        out = kvreel(command, "--help")
+        assert out.returncode == 0 and "usage:" in out.stdout, command
+        assert not re.search(r"``|:(func|class|mod):", out.stdout), command
+    assert not re.search(r"``|:(func|class|mod):", top.stdout)
 
 
 def test_bench_lists_and_refuses_unknown_names():

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,24 @@ def test_unknown_extra_config_key():
 def test_readme_documents_every_setting():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert settings_table_markdown() in readme
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KVREEL_REMOTE_URL": "redis://127.0.0.1:6379/0"},
+     "KVREEL_REMOTE_URL=redis://... needs the Python package 'redis', which is not installed"),
+    ({"KVREEL_REMOTE_URL": "file:///tmp/x", "KVREEL_REMOTE_FORMS": "raw,video"},
+     "KVREEL_REMOTE_FORMS=raw,video needs the Python package 'av', which is not installed"),
+])
+def test_a_feature_whose_package_is_missing_stops_startup_with_one_line(env, message):
+    """Python's own way to make a module unimportable (None in sys.modules), as if it were uninstalled."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['redis'] = sys.modules['av'] = None\n"
+            "from kvreel.connector.config import KVReelConfig, ConfigError\n"
+            "import os\n"
+            "try:\n    KVReelConfig.load()\nexcept ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(message)
+    assert len(out.stdout.strip().splitlines()) == 1

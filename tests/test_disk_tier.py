@@ -120,7 +120,8 @@ def test_no_failed_write_is_lost_while_failures_are_taken(tmp_path):
         for key in keys:
             tier.put(key, [key], small)
         done.set()
-        taker.join()
+        taker.join(timeout=60)
+        assert not taker.is_alive()
     finally:
         sys.setswitchinterval(switch)
     taken.append(tier.take_failed_writes())

@@ -106,7 +106,7 @@ def test_a_dead_service_fails_pending_requests_and_is_restarted(dre):
     keys, queries = data()
     client.submit("cluster", handle="h", keys=keys).result(10)
     proc.proc.kill()
-    proc.proc.wait()
+    proc.proc.wait(timeout=30)
     with pytest.raises(DREError, match="died|gone|unreachable"):
         client.submit("mass", handle="h", queries=queries).result(10)
     fresh = proc.ensure(client)
@@ -144,7 +144,7 @@ def test_kvreel_dre_over_tcp_binds_loopback_by_default():
         client.close()
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=30)
 
 
 def test_shared_memory_descriptors_are_checked():

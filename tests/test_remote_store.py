@@ -52,7 +52,7 @@ def test_wrong_password_and_dead_store_fail_fast(redis_server):
     good = open_store(f"redis://:s3cret@127.0.0.1:{port}/0", timeout_s=1.0)
     good.put("kvreel/m/k", b"v")
     proc.kill()
-    proc.wait()
+    proc.wait(timeout=30)
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="ConnectionError|TimeoutError"):
         good.get("kvreel/m/k")

@@ -43,3 +43,36 @@ def test_servers_started_by_kvreel_bind_loopback():
     cli = (ROOT / "connector" / "cli.py").read_text()
     assert '"--host", "127.0.0.1"' in cli
     assert "0.0.0.0" not in cli
+
+
+def test_the_dre_never_opens_or_deletes_a_segment_it_did_not_create():
+    from multiprocessing import shared_memory
+    import torch
+    from kvreel.connector.retrieval.dre_service import DREError, put_tensor, take_tensor
+    victim = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        victim.buf[:4] = b"mine"
+        for name in (victim.name, "kvreel-dre-1-../x", "kvreel-dre-12"):
+            with pytest.raises(DREError, match="not one kvreel created"):
+                take_tensor({"shm": name, "shape": [4], "dtype": "float32"})
+        again = shared_memory.SharedMemory(name=victim.name)         # still there, intact
+        assert bytes(again.buf[:4]) == b"mine"
+        again.close()
+    finally:
+        victim.close()
+        victim.unlink()
+    desc = put_tensor(torch.arange(3))
+    assert desc["shm"].startswith("kvreel-dre-") and torch.equal(take_tensor(desc), torch.arange(3))
+
+
+def test_the_dre_refuses_a_public_address_without_a_secret():
+    import os
+    import subprocess
+    import sys
+    from kvreel.connector.cli import free_port
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    out = subprocess.run([sys.executable, "-m", "kvreel.connector.cli", "dre", "--address", f"0.0.0.0:{free_port()}"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("kvreel dre: refusing to serve 0.0.0.0:")
+    assert "KVREEL_DRE_SECRET_HEX" in out.stderr

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import selectors
 import socket
@@ -68,11 +70,16 @@ class DREError(RuntimeError):
 
 # -- shared memory -------------------------------------------------------------
 
+SHM_PREFIX = "kvreel-dre-"
+_SHM_NAME = re.compile(rf"^{SHM_PREFIX}\d+-[0-9a-f]{{16}}$")
+
+
 def put_tensor(t: torch.Tensor) -> dict:
     """Copy a tensor into a new shared-memory segment; its descriptor (the
     receiver copies it out and unlinks the segment)."""
     arr = t.detach().cpu().contiguous().numpy()
-    shm = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
+    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", create=True,
+                                     size=max(1, arr.nbytes))
     np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
     desc = {"shm": shm.name, "shape": list(arr.shape), "dtype": arr.dtype.name}
     # the receiver unlinks it; stop this process's tracker from unlinking it again at exit
@@ -82,7 +89,11 @@ def put_tensor(t: torch.Tensor) -> dict:
 
 
 def take_tensor(desc: dict) -> torch.Tensor:
-    """Copy a tensor out of the named segment and unlink it; checked sizes only."""
+    """Copy a tensor out of the named segment and unlink it. Only segments
+    named as ``put_tensor`` names them are opened: a peer must not make this
+    process read or delete anyone else's shared memory (vLLM's included)."""
+    if not _SHM_NAME.match(str(desc.get("shm"))):
+        raise DREError(f"refused shared-memory segment {str(desc.get('shm'))[:80]!r}: not one kvreel created")
     dtype = DTYPES.get(str(desc.get("dtype")))
     shape = [int(x) for x in desc.get("shape", [])]
     if dtype is None or any(x < 0 for x in shape):
@@ -207,6 +218,9 @@ class DREService:
         """Serve until killed (or, with ``parent_pid``, until that process is gone:
         a DRE started by a vLLM worker never outlives it). ``address``: a
         filesystem path (Unix socket) or host:port."""
+        if self.secret is None and not _is_private(address):
+            raise DREError(f"refusing to serve {address} without a shared secret: anyone who reaches it could "
+                           "use the service; set KVREEL_DRE_SECRET_HEX, or listen on loopback or a Unix socket")
         listener = _listen(address)
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ)
@@ -305,6 +319,18 @@ def _split_fetched(table: "MosaicSession", mass: torch.Tensor, owner: torch.Tens
 
 def _num_clusters(table) -> int:
     return table.num_clusters if isinstance(table, Clusters) else len(table.index.clusters)
+
+
+def _is_private(address: str) -> bool:
+    """A Unix socket (file permissions guard it) or a loopback TCP address."""
+    if "/" in address:
+        return True
+    host = address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False
 
 
 def _listen(address: str) -> socket.socket:
@@ -465,7 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(a.nice)
     hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
     secret = bytes.fromhex(hex_secret) if hex_secret else None
-    DREService(a.bits, a.hamming, a.device, secret).serve(a.address, a.parent_pid)
+    try:
+        DREService(a.bits, a.hamming, a.device, secret).serve(a.address, a.parent_pid)
+    except DREError as e:
+        print(f"kvreel dre: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

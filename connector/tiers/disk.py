@@ -6,6 +6,7 @@ engine restart."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import queue
@@ -16,7 +17,8 @@ from typing import Callable, Iterator
 import torch
 
 from kvreel.codec.formats import (ChunkError, ChunkFileHeader, ChunkUnavailable, chunk_dir, chunk_path,
-                                  encode_chunk_file, key_of_path, read_chunk, read_chunk_header)
+                                  encode_chunk_file, identity_description_path, key_of_path, read_chunk,
+                                  read_chunk_header)
 from kvreel.connector.tiers import Tier
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ class DiskTier:
     kind = Tier.DISK
 
     def __init__(self, root: str | Path, identity: str, rank: int, queue_size: int,
-                 on_error: Callable[[str], None] | None = None):
+                 on_error: Callable[[str], None] | None = None, description: dict | None = None):
         self.root, self.identity, self.rank = root, identity, rank
         self.dir = chunk_dir(root, identity, rank)
         self.enabled = True
@@ -47,6 +49,8 @@ class DiskTier:
             probe = self.dir / ".kvreel-write-test"
             probe.write_bytes(b"ok")
             probe.unlink()
+            if description is not None:
+                write_description(root, identity, description)
         except OSError as e:
             self._disable(f"disk tier directory {self.dir} is not writable ({e})")
         self._thread = threading.Thread(target=self._run, name="kvreel-disk-writer", daemon=True)
@@ -157,6 +161,15 @@ class DiskTier:
     def close(self) -> None:
         self._queue.put(("stop", None, None, None))
         self._thread.join(timeout=60)
+
+
+def write_description(root: str | Path, identity: str, description: dict) -> None:
+    """``<root>/<identity>/identity.json``: what the identity digest stands for,
+    so a person (``kvreel inspect``) can tell which model a directory holds."""
+    path = identity_description_path(root, identity)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(description, indent=1, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def scan_chunk_files(root: str | Path, identity: str,
