@@ -261,8 +261,11 @@ def main():
             "KVREEL_RETRIEVAL_WINDOW": "256", "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(a.budget)}
     if a.control:
         kenv = env
-    server, base = start_server(a.model, kenv, not a.control, work / "kvreel.log", a.kv_blocks,
-                                max_model_len=a.long_max + 64)
+    if a.control:       # plain vLLM with a cache that holds the load (no long sessions)
+        server, base = start_server(a.model, kenv, False, work / "kvreel.log")
+    else:
+        server, base = start_server(a.model, kenv, True, work / "kvreel.log", a.kv_blocks,
+                                    max_model_len=a.long_max + 64)
     duration = a.minutes * 60
     faults = [] if a.control or a.no_faults else [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
               (0.55, "DRE killed"), (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted"),

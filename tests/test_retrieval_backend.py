@@ -106,6 +106,25 @@ def test_all_history_kept_is_bit_identical_to_vllm_over_its_own_cache(setup):
     assert runtime.take_stats().data["retrieval_steps|exact"] == 6
 
 
+def test_more_resident_blocks_than_a_slot_holds_is_still_exact(setup):
+    """A long request can arrive with most of its history still in vLLM's cache
+    (a prefix-cache hit kvreel does not hold yet): more resident blocks than its
+    working-set slot has room for beside the history. It is attended to from a
+    scratch buffer, exactly (the soak found this as a crash)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(2)
+    layer, cache, meta, query = _batch([70 * BS + 9, 3 * BS + 1], [1, 1], 80, g)
+    want = torch.zeros(query.shape, dtype=torch.bfloat16)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, cache, meta, want)
+    _offload(runtime, cache, meta, 0, "resumed", blocks=3)
+    assert 3 + (71 - 3) > runtime.slot_pages                   # the case: the slot cannot hold them
+    cache[meta.block_table[0, :3].long()] = 7                   # the history is read from kvreel, not from here
+    got = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, got)
+    assert torch.equal(got, want)
+
+
 def test_selected_history_is_what_attention_reads(setup):
     from kvreel.connector.retrieval.runtime import WorkingSet
     impl, runtime = setup

@@ -89,3 +89,4 @@ def test_small_budget_completes_survives_a_dre_kill_and_preemption(tiny_model, r
     assert m.get("vllm:kvreel_dre_restarts_total", 0) >= 1                 # ...and restarted
     assert m["vllm:kvreel_dre_tables_total|extended"] > 0                  # tables grow with the session
     assert m["vllm:num_preemptions_total"] > 0
+

