@@ -148,7 +148,7 @@ def cmd_demo(args) -> int:
                 loaded += float(line.rsplit(" ", 1)[1])
         reused = rows[1][2] > 0
         print(f"\nprefix reused from kvreel's host tier: {rows[1][2]} tokens, {format_bytes(int(loaded))} of KV "
-              f"restored" if reused else "\nno reuse happened (unexpected)")
+              "restored" if reused else "\nno reuse happened (unexpected)")
         return 0 if reused else 1
     finally:
         scratch.cleanup()

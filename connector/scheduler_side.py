@@ -168,6 +168,12 @@ class KVReelScheduler:
             found = self.remote.poll(request.request_id, hashes[n:limit])
             if found is None:
                 return None, False      # lookup in flight: vLLM asks again next step
+            if self.history is not None and self.history.window_start((n + len(found)) * self.block_size) > n:
+                # A long request's blocks outside its window go into its history, which loads
+                # from the local tiers only; remote blocks there would be loaded into vLLM's
+                # cache and could fill it with one request that then cannot run (the soak
+                # found that deadlock). They are recomputed, leaving vLLM's cache as they go.
+                found = []
             n += len(found)
             self._remote_plans[request.request_id] = found
         if not st.counted_lookup and limit > n:

@@ -155,3 +155,38 @@ def test_histories_are_charged_to_the_host_budget_and_push_chunks_to_disk(tmp_pa
     sched.history.forget("long")                          # the session ended: its room comes back
     sched._account_histories()
     assert sched.host.used == 1024
+
+
+def test_a_long_prefix_is_not_loaded_from_the_remote_tier_into_vllms_cache(tmp_path):
+    """Remote blocks outside a long request's window would land in vLLM's cache
+    (histories load from the local tiers): one such request could fill the cache
+    and never run. They are recomputed; remote blocks inside the window still load."""
+    import time
+    from types import SimpleNamespace
+    from kvreel.codec.forms import StoredForms
+    from kvreel.connector.config import KVReelConfig
+    from kvreel.connector.scheduler_side import KVReelScheduler
+    from kvreel.connector.tiers.remote import RemoteTier
+    url = f"file://{tmp_path / 'store'}"
+    tier = RemoteTier(url, StoredForms("model"), 2.0, 4)
+    hashes = [bytes([7, j]) * 16 for j in range(16)]
+    tier.put(b"\x01" * 32, hashes, torch.zeros(1, 16, 64, dtype=torch.uint8))
+    tier._queue.join()
+    tier.close()
+
+    def matched(retrieval: str, num_tokens: int, request_id: str) -> int:
+        cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": retrieval, "KVREEL_RETRIEVAL_MIN_TOKENS": "64",
+                                     "KVREEL_RETRIEVAL_WINDOW": "64", "KVREEL_CPU_BYTES": "1MiB",
+                                     "KVREEL_REMOTE_URL": url})
+        sched = KVReelScheduler(cfg, "model", block_size=32, bytes_per_block=64)
+        request = SimpleNamespace(request_id=request_id, block_hashes=hashes[:num_tokens // 32],
+                                  num_tokens=num_tokens)
+        deadline = time.monotonic() + 10
+        while (got := sched.get_num_new_matched_tokens(request, 0)[0]) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sched.remote.close()
+        return got
+    assert matched("off", 16 * 32 + 5, "a") == 16 * 32                 # without retrieval: all 16 blocks load
+    assert matched("resv", 16 * 32 + 5, "b") == 0                      # 13 of them outside the window: recompute
+    assert matched("resv", 2 * 32 + 5, "c") == 2 * 32                  # all inside the window: they load
