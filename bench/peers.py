@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, free_port, python_source_corpus, save, start_redis  # noqa: E402
+from common import RESULTS, free_port, python_source_corpus, save, start_openai_server, start_redis  # noqa: E402,E501
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -83,35 +83,23 @@ def start_lmcache(port: int, host_bytes: int, l2: dict, log: Path) -> subprocess
     """LMCache's multiprocess server, as its docs start it (CPU: engine-driven transfers)."""
     cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
            "--supported-transfer-mode", "engine_driven", "--l1-size-gb", f"{host_bytes / 1024**3:.4f}",
-           "--chunk-size", "256", "--l2-adapter", json.dumps(l2), "--prometheus-port", str(free_port())]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+           "--eviction-policy", "LRU", "--chunk-size", "256", "--l2-adapter", json.dumps(l2),
+           # its metrics exporter needs OpenTelemetry's Prometheus exporter, not installed here
+           "--disable-observability"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "LMCACHE_TRACK_USAGE": "false"}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     wait_port(port, proc, "the LMCache server", log)
     return proc
 
 
 def start_vllm(model: str, kv_blocks: int, transfer: dict | None, env: dict, log: Path,
                max_model_len: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "m", "--block-size", "32", "--enforce-eager",
-           "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.05",
-           "--num-gpu-blocks-override", str(kv_blocks), "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+    args = ["--served-model-name", "m", "--block-size", "32", "--enforce-eager", "--max-model-len",
+            str(max_model_len), "--gpu-memory-utilization", "0.05", "--num-gpu-blocks-override", str(kv_blocks),
+            "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
     if transfer is not None:
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited (code {proc.returncode}); see {log}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=5).read()
-            return proc, base
-        except OSError:
-            if time.time() > deadline:
-                raise RuntimeError(f"vLLM did not become healthy; see {log}")
-            time.sleep(1)
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+    return start_openai_server(model, args, {"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log)
 
 
 def served_config(name: str, a, work: Path) -> tuple[dict | None, dict, list]:
@@ -241,7 +229,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--first-tokens", type=int, default=1024)
     ap.add_argument("--turn-tokens", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=3072, help="below the paged cache (vLLM refuses otherwise)")
     ap.add_argument("--name", default="peers")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -294,6 +282,8 @@ def plot(name: str, results: dict) -> None:
     import matplotlib.pyplot as plt
     configs = list(results)
     workloads = sorted({w for r in results.values() for w in r})
+    if not workloads:
+        return
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.2 * max(1, len(workloads))), squeeze=False)
     for row, w in enumerate(workloads):
         have = [c for c in configs if w in results[c]]

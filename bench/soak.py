@@ -49,7 +49,7 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, free_port, python_source_corpus, save, start_redis  # noqa: E402
+from common import RESULTS, free_port, python_source_corpus, save, start_openai_server, start_redis  # noqa: E402,E501
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
@@ -57,29 +57,14 @@ CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_
 
 def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int = 0,
                  max_model_len: int = 4096) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--block-size", "32", "--max-model-len", str(max_model_len), "--enforce-eager",
-           "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8",
-           "--max-num-batched-tokens", "512", "--enable-prompt-tokens-details"]
+    args = ["--block-size", "32", "--max-model-len", str(max_model_len), "--enforce-eager",
+            "--gpu-memory-utilization", "0.05", "--served-model-name", "m", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "512", "--enable-prompt-tokens-details"]
     if kv_blocks:       # a small paged cache: vLLM evicts prefixes, so reuse has to come from kvreel
-        cmd += ["--num-gpu-blocks-override", str(kv_blocks)]
+        args += ["--num-gpu-blocks-override", str(kv_blocks)]
     if kvreel:
-        cmd += ["--kv-transfer-config", CONNECTOR]
-    proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=5).read()
-            return proc, base
-        except OSError:
-            if time.time() > deadline:
-                raise RuntimeError("server did not become healthy")
-            time.sleep(1)
+        args += ["--kv-transfer-config", CONNECTOR]
+    return start_openai_server(model, args, {"VLLM_SERVER_DEV_MODE": "1", **env}, log)
 
 
 def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120):
