@@ -23,6 +23,6 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # kvreel's plugins and its multiprocess server with the fs L2 need only these of its dependencies.
 # pip would still report those deliberate gaps as a red "dependency resolver"
 # error after every install, so the installs say --no-warn-conflicts.
-python -m pip install -q --no-warn-conflicts -e ".[test]" sortedcontainers aiofile aiofiles
+python -m pip install -q --no-warn-conflicts -e ".[test,bench]" sortedcontainers aiofile aiofiles
 python -m pip install -q --no-warn-conflicts --no-deps lmcache==0.5.6
 python -c "import kvreel.connector, vllm, av, lmcache; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
