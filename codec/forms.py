@@ -74,19 +74,29 @@ class StoredForms:
                seconds: dict[str, float] | None = None) -> dict[str, bytes]:
         """Form name -> stored bytes (and the time each took, added to ``seconds``)."""
         out: dict[str, bytes] = {}
-        kv = self.kv_view.to_kv(payload) if VIDEO_FORM in self.kinds else None
-        for name in self.names():
-            t0 = time.perf_counter()
-            if name == RAW:
-                out[name] = chunk_file_bytes(self.identity, block_hashes, payload)
-            elif name == ZSTD:
-                out[name] = zstandard.ZstdCompressor(level=3).compress(out[RAW])
-            else:
-                out[name] = encode_chunk(kv, quant=self.quant, resolutions=(int(name.split("@")[1]),),
-                                         model=self.identity)
+        for name, data, dt in self.encode_each(block_hashes, payload, self.names()):
+            out[name] = data
             if seconds is not None:
-                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+                seconds[name] = seconds.get(name, 0.0) + dt
         return out
+
+    def encode_each(self, block_hashes: list[bytes], payload: torch.Tensor, names: list[str]):
+        """Yield ``(name, stored bytes, seconds)`` for each of ``names`` in turn,
+        so a caller can store the cheap forms before the slow ones are encoded."""
+        raw = None
+        kv = None
+        for name in names:
+            t0 = time.perf_counter()
+            if name in (RAW, ZSTD):
+                if raw is None:
+                    raw = chunk_file_bytes(self.identity, block_hashes, payload)
+                data = raw if name == RAW else zstandard.ZstdCompressor(level=3).compress(raw)
+            else:
+                if kv is None:
+                    kv = self.kv_view.to_kv(payload)
+                data = encode_chunk(kv, quant=self.quant, resolutions=(int(name.split("@")[1]),),
+                                    model=self.identity)
+            yield name, data, time.perf_counter() - t0
 
     def decode(self, name: str, data: bytes, payload_shape: tuple[int, ...] | None = None,
                on_regions: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -53,7 +53,7 @@ def upload(tier, n, seed=0):
         tier.put(key, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload)
         keys.append(key)
         payloads.append(payload)
-    tier._queue.join()
+    assert tier.flush(120)
     return keys, payloads
 
 
@@ -241,7 +241,7 @@ def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
     key = b"\x05" * 32
     hashes = [bytes([9, j]) * 16 for j in range(SHAPE[1])]
     tier.put(key, hashes, synthetic_payload(SHAPE))
-    tier._queue.join()
+    assert tier.flush(120)
     lookups = RemoteLookups(f"file://{tmp_path / 'store'}", "model-x", 2.0)
 
     def answer(asked):
@@ -255,3 +255,41 @@ def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
     assert answer(hashes) == [(key, 0), (key, 1)]
     lookups.close()
     tier.close()
+
+
+def test_a_chunk_is_fetchable_before_its_video_forms_are_encoded(tmp_path, caplog):
+    """Uploads store the byte forms and pointers first; the video forms follow,
+    each offered by the manifest only once stored. A shutdown that cannot wait
+    for the encoder loses only video forms, and says so."""
+    import json
+    tier = make_tier(tmp_path / "a", forms=("raw", "zstd", "video"))
+    keys, payloads = [], []
+    for i in range(4):
+        keys.append(bytes([7, i]) * 16)
+        payloads.append(synthetic_payload(SHAPE, seed=i))
+        tier.put(keys[-1], [bytes([7, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payloads[-1])
+    tier._queue.join()                                   # the byte stage only
+    for key, payload in zip(keys, payloads):
+        assert torch.equal(tier.get(key), payload)
+        assert torch.equal(tier.get(key, "zstd"), payload)
+    assert tier.flush(120)
+    for key, payload, forms in zip(keys, payloads, tier.manifests(keys)):
+        assert set(forms) == {"raw", "zstd", "video@256"}
+        assert torch.equal(tier.get(key, "video@256"), payload)
+    tier.close()
+
+    tier = make_tier(tmp_path / "b", forms=("raw", "zstd", "video"))
+    for i in range(6):
+        tier.put(bytes([8, i]) * 16, [bytes([8, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])],
+                 synthetic_payload(SHAPE, seed=i))
+    tier._queue.join()
+    with caplog.at_level("INFO", logger="kvreel.connector.tiers.remote"):
+        tier.close(drain_timeout_s=0)
+    assert "video encoding(s) unfinished" in caplog.text
+    store = tmp_path / "b"
+    for path in store.rglob("m/*"):
+        listed = json.loads(path.read_bytes())["forms"]
+        key = bytes.fromhex(path.name)
+        assert "raw" in listed and "zstd" in listed
+        for form, size in listed.items():
+            assert len(tier.get_form(key, form)) == size       # every form offered is stored whole

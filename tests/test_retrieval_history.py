@@ -171,7 +171,7 @@ def test_a_long_prefix_is_not_loaded_from_the_remote_tier_into_vllms_cache(tmp_p
     tier = RemoteTier(url, StoredForms("model"), 2.0, 4)
     hashes = [bytes([7, j]) * 16 for j in range(16)]
     tier.put(b"\x01" * 32, hashes, torch.zeros(1, 16, 64, dtype=torch.uint8))
-    tier._queue.join()
+    assert tier.flush(120)
     tier.close()
 
     def matched(retrieval: str, num_tokens: int, request_id: str) -> int:

@@ -8,9 +8,9 @@ from ``kvreel.codec.formats.StoreKeys``.
 
 Scheduler side: ``RemoteLookups`` runs lookups on a thread so the scheduler
 never waits on the network (vLLM is told "ask again next step" meanwhile).
-Worker side: ``RemoteTier`` uploads write-behind (bounded queue, never blocking
-the forward pass, drained on clean shutdown) and hands stored bytes to the
-fetch controller (``kvreel.scheduler.fetch_controller``), which decodes them.
+Worker side: ``RemoteTier`` uploads write-behind (bounded queues, never blocking
+the forward pass; the byte forms and pointers first, the video forms after;
+drained on clean shutdown) and hands stored bytes to the fetch controller (``kvreel.scheduler.fetch_controller``), which decodes them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvreel.codec.formats import RAW, ChunkUnavailable, StoreKeys
+from kvreel.codec.formats import RAW, VIDEO_FORM, ChunkUnavailable, StoreKeys, form_kind
 from kvreel.codec.forms import StoredForms
 from kvreel.connector.tiers import Tier
 from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
@@ -110,7 +110,15 @@ class RemoteLookups:
 
 class RemoteTier:
     """Worker side: write-behind uploads of every configured form; stored bytes
-    for the fetch controller; ``get`` for a plain verified raw fetch."""
+    for the fetch controller; ``get`` for a plain verified raw fetch.
+
+    Uploads run in two stages, each on its own thread and bounded queue: the
+    byte forms (raw, zstd: a copy and a fast compression) with the manifest and
+    the block pointers first, so a chunk is fetchable as soon as it is stored;
+    then the video forms (libx265 takes about a second per chunk on a CPU), each
+    added to the manifest once it is stored. Slow video encoding never delays a
+    chunk's availability, and a shutdown that cannot wait for it loses only the
+    video forms."""
 
     kind = Tier.REMOTE
 
@@ -119,50 +127,84 @@ class RemoteTier:
         self.keys = StoreKeys(forms.identity)
         self.store = open_store(url, timeout_s=timeout_s)
         forms.max_bytes = self.store.max_value_bytes
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        names = forms.names()
+        self._byte_forms = [n for n in names if form_kind(n) != VIDEO_FORM]
+        self._video_forms = [n for n in names if form_kind(n) == VIDEO_FORM]
         self._log = _Throttled()
-        self._lock = threading.Lock()                # the uploader adds, the metrics take
+        self._lock = threading.Lock()                # the uploaders add, the metrics take
         self._upload_failures = 0
         self._encode_seconds: dict[str, float] = {}
-        self._thread = threading.Thread(target=self._run, name="kvreel-remote-upload", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._video_queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._threads = [threading.Thread(target=self._run, args=(q, fn), name=name, daemon=True)
+                         for q, fn, name in ((self._queue, self._upload, "kvreel-remote-upload"),
+                                             (self._video_queue, self._upload_video, "kvreel-remote-video"))]
+        for t in self._threads:
+            t.start()
 
     def put(self, key: bytes, block_hashes: list[bytes], payload: torch.Tensor) -> bool:
         try:
             self._queue.put_nowait((key, block_hashes, payload))
             return True
         except queue.Full:
-            with self._lock:
-                self._upload_failures += 1
-            self._log.warn("kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
+            self._failed("kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
             return False
 
-    def _run(self) -> None:
+    def _failed(self, msg, *args) -> None:
+        with self._lock:
+            self._upload_failures += 1
+        self._log.warn(msg, *args)
+
+    def _run(self, jobs: queue.Queue, upload) -> None:
         while True:
-            item = self._queue.get()
+            item = jobs.get()
             try:
                 if item is None:
                     return
-                self._upload(*item)
+                upload(*item)
             except (RemoteError, ValueError) as e:
-                with self._lock:
-                    self._upload_failures += 1
-                self._log.warn("kvreel: remote upload failed (%s)", e)
+                self._failed("kvreel: remote upload failed (%s)", e)
             finally:
-                self._queue.task_done()
+                jobs.task_done()
+
+    def _encode(self, hashes: list[bytes], payload: torch.Tensor, names: list[str]):
+        for name, data, dt in self.forms.encode_each(hashes, payload, names):
+            with self._lock:
+                self._encode_seconds[name] = self._encode_seconds.get(name, 0.0) + dt
+            yield name, data
+
+    def _put_manifest(self, key: bytes, sizes: dict[str, int], payload: torch.Tensor) -> None:
+        manifest = {"forms": sizes, "quant": self.forms.quant, "payload": list(payload.shape)}
+        self.store.put(self.keys.manifest(key), json.dumps(manifest).encode())
 
     def _upload(self, key: bytes, hashes: list[bytes], payload: torch.Tensor) -> None:
-        spent: dict[str, float] = {}
-        stored = self.forms.encode(hashes, payload, spent)
-        with self._lock:
-            for form, dt in spent.items():
-                self._encode_seconds[form] = self._encode_seconds.get(form, 0.0) + dt
+        stored = dict(self._encode(hashes, payload, self._byte_forms))
         quant = self.forms.quant
         self.store.put_many({self.keys.form(f, key, quant): v for f, v in stored.items()})
-        manifest = {"forms": {f: len(v) for f, v in stored.items()}, "quant": quant, "payload": list(payload.shape)}
-        self.store.put(self.keys.manifest(key), json.dumps(manifest).encode())
+        sizes = {f: len(v) for f, v in stored.items()}
+        self._put_manifest(key, sizes, payload)
         # pointers after the chunk: a reader never sees a pointer to a missing chunk
         self.store.put_many({self.keys.block(h): _POINTER.pack(key, row) for row, h in enumerate(hashes)})
+        if self._video_forms:
+            try:
+                self._video_queue.put_nowait((key, hashes, payload, sizes))
+            except queue.Full:
+                self._failed("kvreel: video encoding queue full; chunk %s stored without its video forms",
+                             key.hex()[:16])
+
+    def _upload_video(self, key: bytes, hashes: list[bytes], payload: torch.Tensor, sizes: dict[str, int]) -> None:
+        for name, data in self._encode(hashes, payload, self._video_forms):
+            self.store.put(self.keys.form(name, key, self.forms.quant), data)
+            sizes[name] = len(data)
+            self._put_manifest(key, sizes, payload)      # offered once stored
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every queued upload, video forms included, is done."""
+        deadline = time.monotonic() + timeout_s
+        for jobs in (self._queue, self._video_queue):
+            while jobs.unfinished_tasks and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return not (self._queue.unfinished_tasks or self._video_queue.unfinished_tasks)
 
     def manifests(self, keys: list[bytes]) -> list[dict[str, int]]:
         """Stored forms and sizes of each chunk (one round trip); a chunk whose
@@ -224,13 +266,19 @@ class RemoteTier:
         return n
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Drain pending uploads (bounded), then stop."""
-        deadline = time.monotonic() + drain_timeout_s
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.05)
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1)
+        """Drain pending uploads (bounded; vLLM may end the process sooner), then stop."""
+        pending = self._queue.unfinished_tasks, self._video_queue.unfinished_tasks
+        if any(pending):
+            logger.info("kvreel: storing %d queued chunk(s) and the video forms of %d before shutdown",
+                        *pending)
+        if not self.flush(drain_timeout_s):
+            logger.warning("kvreel: shutdown left %d chunk upload(s) and %d video encoding(s) unfinished; "
+                           "those chunks are recomputed (or fetched in a byte form) later",
+                           self._queue.unfinished_tasks, self._video_queue.unfinished_tasks)
+        for jobs, thread in zip((self._queue, self._video_queue), self._threads):
+            try:
+                jobs.put_nowait(None)
+            except queue.Full:
+                continue
+            thread.join(timeout=1)
         self.store.close()
