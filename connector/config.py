@@ -156,6 +156,16 @@ SETTINGS: tuple[Setting, ...] = (
             _one_of("async", "blocking")),
     _int_setting("FETCH_STREAMS", 4, "Chunk transfers in flight at once; as many decoders (NVDEC sessions or "
                  "CPU decode threads) decode behind them.", 1, 64),
+    Setting("EVICTION", str, "workflow", "lru or workflow",
+            "Which chunks the host and disk tiers evict first. workflow: requests that carry agent-workflow "
+            "hints (kv_transfer_params, see kvreel.scheduler.workflow) rank their chunks by steps until their "
+            "agent runs next and the furthest go first, LRU among equals and for everything unhinted (without "
+            "hints it is LRU); lru: hints are ignored.", _one_of("lru", "workflow")),
+    _int_setting("PREFETCH_DEPTH", 2, "With KVREEL_EVICTION=workflow, the chunks of an agent at most this many "
+                 "steps from running are read from disk into the host tier in the background. 0: no prefetch.",
+                 0, 64),
+    _bytes_setting("PREFETCH_BYTES", 256 * 1024**2, "Most bytes of prefetches in flight at once (they never "
+                   "wait in front of a request's load)."),
     Setting("RETRIEVAL", str, "off", "off, resv or mosaic",
             "Sessions longer than vLLM's KV memory: a long request's history moves to kvreel's host memory and "
             "each layer attends to the sink, the history its DRE selects and the local window. off (vLLM "

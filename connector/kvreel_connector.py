@@ -119,7 +119,8 @@ class KVReelConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvreel.connector.scheduler_side import KVReelScheduler
             regions, block_bytes = layout_of(kv_cache_config)
-            self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes)
+            self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes,
+                                              workers=vllm_config.parallel_config.world_size)
         else:
             from kvreel.connector.worker_side import KVReelWorker
             self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)

@@ -62,19 +62,28 @@ class KVReelMetadata(KVConnectorMetadata):
     stores: list[StoreOp] = field(default_factory=list)
     evictions: dict[Tier, list[bytes]] = field(default_factory=dict)
     history: object | None = None      # retrieval's HistoryStep, when KVREEL_RETRIEVAL is on
+    prefetches: list[tuple[bytes, Tier]] = field(default_factory=list)   # chunks to read into the host tier
 
 
 @dataclass
 class KVReelWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: chunks that must be forgotten, tiers that broke."""
+    """Worker -> scheduler: chunks that must be forgotten, tiers that broke,
+    prefetches that landed (counted per worker: each holds its own shard)."""
     bad_keys: set[bytes] = field(default_factory=set)          # failed verification
     failed_disk_keys: set[bytes] = field(default_factory=set)  # write did not land
     disk_disabled: str | None = None
+    prefetched: dict[bytes, int] = field(default_factory=dict)
+    prefetch_failed: set[bytes] = field(default_factory=set)
 
     def aggregate(self, other: "KVReelWorkerMeta") -> "KVReelWorkerMeta":
+        landed = dict(self.prefetched)
+        for key, n in other.prefetched.items():
+            landed[key] = landed.get(key, 0) + n
         return KVReelWorkerMeta(self.bad_keys | other.bad_keys,
                                 self.failed_disk_keys | other.failed_disk_keys,
-                                self.disk_disabled or other.disk_disabled)
+                                self.disk_disabled or other.disk_disabled,
+                                landed, self.prefetch_failed | other.prefetch_failed)
 
     def is_empty(self) -> bool:
-        return not (self.bad_keys or self.failed_disk_keys or self.disk_disabled)
+        return not (self.bad_keys or self.failed_disk_keys or self.disk_disabled or self.prefetched
+                    or self.prefetch_failed)

@@ -2,6 +2,10 @@
 budgets and their LRU eviction, prefix lookups, and the per-step plan of saves
 and loads sent to the workers.
 
+With agent-workflow hints (``kvreel.scheduler.workflow``, KVFlow) the tiers
+evict the chunks whose agents run furthest in the future first, and the chunks
+of agents about to run are prefetched from disk into the host tier.
+
 A *chunk* is a run of consecutive full blocks of one prefix, at most
 ``KVREEL_CHUNK_TOKENS`` long and never crossing a chunk boundary, keyed by the
 hash of its last block. Block keys are vLLM's own chained prefix-cache block
@@ -22,13 +26,17 @@ from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorker
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
 from kvreel.connector.tiers.disk import scan_chunk_files
+from kvreel.scheduler.workflow import FAR, WorkflowTracker
 
 logger = logging.getLogger(__name__)
 HOST, DISK, REMOTE = Tier.HOST, Tier.DISK, Tier.REMOTE
 
 
+MAX_USERS = 64          # (workflow, agent) pairs remembered per chunk
+
+
 class Chunk:
-    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins")
+    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins", "users", "prefetched")
 
     def __init__(self, key: bytes, block_hashes: list[bytes], nbytes: int):
         self.key = key
@@ -36,33 +44,47 @@ class Chunk:
         self.nbytes = nbytes
         self.tiers: set[Tier] = set()     # the local tiers (host, disk) holding it
         self.pins = 0
+        self.users: set[tuple[str, str]] = set()   # (workflow, agent) pairs that used it
+        self.prefetched = False           # in the host tier by a prefetch, not loaded since
 
 
 class TierBudget:
-    """Byte budget with LRU order for one local tier."""
+    """Byte budget of one local tier: LRU order, or with ``steps`` (chunk ->
+    steps until it is needed, workflow eviction) the furthest chunks first and
+    LRU among equals."""
 
-    def __init__(self, tier: Tier, capacity: int):
+    def __init__(self, tier: Tier, capacity: int, steps=None):
         self.tier = tier
         self.capacity = capacity
         self.used = 0
         self.lru: OrderedDict[bytes, Chunk] = OrderedDict()
+        self.steps = steps
 
     def touch(self, chunk: Chunk) -> None:
         if chunk.key in self.lru:
             self.lru.move_to_end(chunk.key)
 
-    def victims_for(self, nbytes: int) -> list[Chunk] | None:
-        """Unpinned least-recently-used chunks whose removal frees ``nbytes``; None if impossible."""
+    def victims_for(self, nbytes: int, nearest: float = 0, strictly: bool = False) -> list[Chunk] | None:
+        """Unpinned chunks whose removal frees ``nbytes``, in eviction order;
+        None if impossible. With workflow eviction only chunks needed no sooner
+        than ``nearest`` steps (later than it, if ``strictly``) may go."""
         if nbytes > self.capacity:
             return None
         need = self.used + nbytes - self.capacity
+        if need <= 0:
+            return []
+        candidates = (c for c in self.lru.values() if c.pins == 0)
+        if self.steps is not None:
+            # one pass over the tier per eviction; a stable sort keeps LRU order among equals
+            ranked = [(self.steps(c), c) for c in candidates]
+            candidates = (c for d, c in sorted(ranked, key=lambda x: -x[0])
+                          if d > nearest or (d == nearest and not strictly))
         out = []
-        for chunk in self.lru.values():
+        for chunk in candidates:
             if need <= 0:
                 break
-            if chunk.pins == 0:
-                out.append(chunk)
-                need -= chunk.nbytes
+            out.append(chunk)
+            need -= chunk.nbytes
         return out if need <= 0 else None
 
     def add(self, chunk: Chunk) -> None:
@@ -74,6 +96,11 @@ class TierBudget:
             self.used -= chunk.nbytes
 
 
+def _prompt_blocks(request, block_size: int) -> int:
+    """Full blocks of a request's prompt."""
+    return getattr(request, "num_prompt_tokens", request.num_tokens) // block_size
+
+
 @dataclass
 class RequestState:
     request: object
@@ -81,10 +108,12 @@ class RequestState:
     saved_upto: int = 0          # blocks below this are stored (or were skipped)
     counted_lookup: bool = False
     from_remote: set = field(default_factory=set)   # hashes this request loaded from the remote tier
+    user: tuple[str, str] | None = None             # (workflow, agent) from the request's hints
 
 
 class KVReelScheduler:
-    def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int):
+    def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int,
+                 workers: int = 1):
         if cfg.chunk_tokens % block_size:
             raise ValueError(f"KVREEL_CHUNK_TOKENS={cfg.chunk_tokens} must be a multiple of the engine's "
                              f"block size ({block_size})")
@@ -94,9 +123,16 @@ class KVReelScheduler:
         self.chunk_blocks = cfg.chunk_tokens // block_size
         self.bytes_per_block = bytes_per_block
         self.index: dict[bytes, tuple[Chunk, int]] = {}
-        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes)}
+        self.workflows = WorkflowTracker() if cfg.eviction == "workflow" else None
+        steps = self._steps if self.workflows is not None else None
+        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, steps)}
         if cfg.disk_dir:
-            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes)
+            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, steps)
+        self.workers = workers
+        self._agent_chunks: dict[tuple[str, str], OrderedDict[bytes, Chunk]] = {}
+        self._prefetching: dict[bytes, Chunk] = {}
+        self._prefetch_landed: dict[bytes, int] = {}
+        self._prefetch_bytes = 0
         self.reqs: dict[str, RequestState] = {}
         self.stats = KVReelStats()
         self._planned: dict[str, tuple[int, int]] = {}
@@ -154,12 +190,17 @@ class KVReelScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self.reqs.setdefault(request.request_id, RequestState(request))
         st.request = request
+        if self.workflows is not None and st.user is None:
+            st.user = self.workflows.on_request(request.request_id, getattr(request, "kv_transfer_params", None))
         hashes = request.block_hashes
         limit = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         n = 0
         while n < limit and hashes[n] in self.index:
             n += 1
         held_from_zero = n
+        if st.user is not None:
+            for h in hashes[:n]:
+                self._use(self.index[h][0], st.user)
         start = num_computed_tokens // self.block_size
         n = max(n, start)               # blocks below `start` are in vLLM's own cache already
         local_end = n
@@ -223,7 +264,7 @@ class KVReelScheduler:
                 last.block_ids.append(block_ids[i])
                 continue
             pieces.append(LoadPiece(chunk.key, tier, row, [block_ids[i]]))
-            self._pin_for_load(chunk, chunks)
+            self._pin_for_load(chunk, chunks, tier)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
         is_async = (any(p.tier != HOST for p in pieces) or bool(history)) and not self.blocking
@@ -238,13 +279,16 @@ class KVReelScheduler:
         if self.history is not None:
             self.history.admitted(request.request_id, skip)
 
-    def _pin_for_load(self, chunk: Chunk, chunks: list[Chunk]) -> None:
+    def _pin_for_load(self, chunk: Chunk, chunks: list[Chunk], tier: Tier) -> None:
         """A chunk a load reads from: pinned once per load (no eviction under it), and recently used."""
         if chunk not in chunks:
             chunks.append(chunk)
             chunk.pins += 1
             for budget in self.budgets.values():
                 budget.touch(chunk)
+            if chunk.prefetched and tier == HOST:
+                chunk.prefetched = False
+                self.stats.add("prefetches", label="used")
 
     def _plan_history_loads(self, request, skip: int, chunks: list[Chunk]) -> list[HistoryPiece]:
         """Blocks ``[0, skip)`` of an admitted long prefix, from kvreel's local
@@ -258,7 +302,7 @@ class KVReelScheduler:
                 last.n += 1
                 continue
             pieces.append(HistoryPiece(chunk.key, tier, row, 1, i))
-            self._pin_for_load(chunk, chunks)
+            self._pin_for_load(chunk, chunks, tier)
         for p in pieces:
             self.stats.add("lookup_hit_blocks", p.n, p.tier)
         return pieces
@@ -294,7 +338,8 @@ class KVReelScheduler:
         self._plan_promotions()
         self._skip_zeroing_of_sync_loads(scheduler_output)
         meta = KVReelMetadata(self._loads, [op for op in self._stores.values() if op.tiers], self._evictions,
-                              self.history.take_step() if self.history is not None else None)
+                              self.history.take_step() if self.history is not None else None,
+                              self._plan_prefetches())
         for chunk in self._sync_pins:
             chunk.pins -= 1
         self._loads, self._stores, self._evictions = [], {}, {}
@@ -338,6 +383,91 @@ class KVReelScheduler:
                 p.promote_to_host = any(c.key == p.key for c in promoted)
             self._promotions[op.req_id] = promoted
 
+    # -- workflows (KVFlow) ----------------------------------------------------
+    def _steps(self, chunk: Chunk) -> float:
+        """Steps until the nearest agent that used ``chunk`` runs (FAR: unhinted)."""
+        return min((self.workflows.steps(u) for u in chunk.users), default=FAR)
+
+    def _use(self, chunk: Chunk, user: tuple[str, str]) -> None:
+        """``user``'s prompt holds ``chunk``: it takes that agent's distance."""
+        if len(chunk.users) < MAX_USERS:
+            chunk.users.add(user)
+
+    def _remember_prompt(self, st: RequestState) -> None:
+        """What an agent's next request will most likely start with: the chunks
+        of its last prompt (the prefetch target)."""
+        request = st.request
+        blocks = _prompt_blocks(request, self.block_size)
+        chunks: OrderedDict[bytes, Chunk] = OrderedDict()
+        for h in request.block_hashes[:blocks]:
+            entry = self.index.get(h)
+            if entry is not None:
+                chunks[entry[0].key] = entry[0]
+        self._agent_chunks[st.user] = chunks
+
+    def _prefetch_source(self, chunk: Chunk) -> Tier | None:
+        """Where a prefetch can read ``chunk`` from: its disk copy, or the remote
+        store once it has left every local tier (uploaded when it was made)."""
+        if self._indexed(chunk):
+            return DISK if DISK in chunk.tiers else None
+        if self.remote is not None and not any(h in self.index for h in chunk.block_hashes):
+            return REMOTE
+        return None
+
+    def _indexed(self, chunk: Chunk) -> bool:
+        return self.index.get(chunk.block_hashes[-1], (None,))[0] is chunk
+
+    def _plan_prefetches(self) -> list[tuple[bytes, Tier]]:
+        """Chunks of the agents about to run, read from disk or the remote store
+        into the host tier in the background: nearest agent first, bounded in
+        bytes in flight, and only into room held by chunks needed later."""
+        if self.workflows is None or not self.cfg.prefetch_depth or self.cfg.cpu_bytes <= 0:
+            return []
+        out: list[tuple[bytes, Tier]] = []
+        for user, steps in self.workflows.upcoming(self.cfg.prefetch_depth):
+            chunks = self._agent_chunks.get(user, {})
+            for key, chunk in list(chunks.items()):
+                if key in self.host.lru or key in self._prefetching:
+                    continue
+                source = self._prefetch_source(chunk)
+                if source is None:
+                    if not self._indexed(chunk):
+                        del chunks[key]              # gone, and nowhere to fetch it from
+                    continue
+                if self._prefetch_bytes + chunk.nbytes > self.cfg.prefetch_bytes:
+                    return out
+                victims = self.host.victims_for(chunk.nbytes, nearest=steps, strictly=True)
+                if victims is None:
+                    return out                       # host memory holds only nearer chunks
+                for victim in victims:
+                    self._evict(victim, HOST)
+                self.host.add(chunk)                 # reserved; present once every worker has it
+                chunk.pins += 1
+                self._prefetching[key] = chunk
+                self._prefetch_bytes += chunk.nbytes
+                self.stats.add("prefetches", label="issued")
+                out.append((key, source))
+        return out
+
+    def _prefetch_done(self, key: bytes, ok: bool) -> None:
+        chunk = self._prefetching.pop(key, None)
+        self._prefetch_landed.pop(key, None)
+        if chunk is None:
+            return
+        chunk.pins -= 1
+        self._prefetch_bytes -= chunk.nbytes
+        if ok and (self._indexed(chunk) or not any(h in self.index for h in chunk.block_hashes)):
+            chunk.tiers.add(HOST)
+            chunk.prefetched = True
+            self._index(chunk)                       # a chunk fetched back from the remote store
+        else:
+            self.host.remove(chunk)
+            self._evictions.setdefault(HOST, []).append(key)   # a worker may hold it
+            if not ok:
+                self.stats.add("prefetches", label="failed")
+                for user in chunk.users:                  # not asked for again
+                    self._agent_chunks.get(user, {}).pop(key, None)
+
     def _skip_zeroing_of_sync_loads(self, scheduler_output) -> None:
         """Blocks a host load overwrites completely before the forward pass need
         not be zeroed first (the one change to scheduler_output vLLM allows
@@ -371,12 +501,16 @@ class KVReelScheduler:
             boundary = (i // self.chunk_blocks + 1) * self.chunk_blocks
             while j < min(full, boundary) and hashes[j] not in self.index:
                 j += 1
-            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j], st.from_remote)
+            user = st.user if i < _prompt_blocks(st.request, self.block_size) else None  # prompts, not answers
+            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j], st.from_remote, user)
             i = j
         st.saved_upto = max(st.saved_upto, full)
 
-    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int], from_remote: set) -> None:
+    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int], from_remote: set,
+                   user: tuple[str, str] | None = None) -> None:
         chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
+        if user is not None:
+            self._use(chunk, user)
         op = StoreOp(chunk.key, block_hashes, block_ids, set())
         self._stores[chunk.key] = op        # before admitting: an eviction on the way updates it
         if self.cfg.cpu_bytes > 0 and self._admit(chunk, HOST):
@@ -400,7 +534,7 @@ class KVReelScheduler:
         ``present=False`` reserves the room for a copy still on its way (a
         promotion), which lookups may use once it has landed."""
         budget = self.budgets[tier]
-        victims = budget.victims_for(chunk.nbytes)
+        victims = budget.victims_for(chunk.nbytes, self._steps(chunk) if budget.steps else 0)
         if victims is None:
             return False
         for victim in victims:
@@ -423,6 +557,9 @@ class KVReelScheduler:
         """Account a copy gone from a tier; a chunk in no local tier is forgotten."""
         self.budgets[tier].remove(chunk)
         chunk.tiers.discard(tier)
+        if tier == HOST and chunk.prefetched:
+            chunk.prefetched = False
+            self.stats.add("prefetches", label="wasted")
         if not chunk.tiers:
             for h in chunk.block_hashes:
                 if self.index.get(h, (None,))[0] is chunk:
@@ -456,6 +593,12 @@ class KVReelScheduler:
                     self._drop_copy(entry[0], DISK)
             for key in meta.bad_keys:
                 self._drop(key)
+            for key, n in meta.prefetched.items():
+                self._prefetch_landed[key] = self._prefetch_landed.get(key, 0) + n
+                if self._prefetch_landed[key] >= self.workers:
+                    self._prefetch_done(key, True)
+            for key in meta.prefetch_failed:
+                self._prefetch_done(key, False)
         for req_id in output.finished_recving or ():
             for chunk in self._async_pins.pop(req_id, ()):
                 chunk.pins -= 1
@@ -464,7 +607,11 @@ class KVReelScheduler:
                     chunk.tiers.add(HOST)
 
     def request_finished(self, request) -> None:
-        self.reqs.pop(request.request_id, None)
+        st = self.reqs.pop(request.request_id, None)
+        if self.workflows is not None:
+            if st is not None and st.user is not None:
+                self._remember_prompt(st)
+            self.workflows.on_finished(request.request_id)
         self._planned.pop(request.request_id, None)
         self._history_skip.pop(request.request_id, None)
         if self.history is not None:

@@ -44,6 +44,9 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 "Time spent moving remote chunks over the link, by form", ("form",)),
     "decode_seconds": ("vllm:kvreel_decode_seconds_total",
                        "Time spent decoding and verifying fetched chunks (NVDEC or CPU), by form", ("form",)),
+    "prefetches": ("vllm:kvreel_prefetch_chunks_total",
+                   "Workflow prefetches of chunks from disk into the host tier, by result: issued, used (loaded "
+                   "by a request), wasted (evicted unused), failed", ("result",)),
     "retrieval_steps": ("vllm:kvreel_retrieval_steps_total",
                         "Attention calls of long sequences, by outcome: selected, or full attention because "
                         "the DRE was late or down", ("outcome",)),
@@ -61,7 +64,8 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 # reading /metrics) finds the series before the first event
 KNOWN_LABEL_VALUES = {"tier": tuple(t.value for t in Tier),
                       "outcome": ("exact", "selected", "dre_late", "dre_down"),
-                      "how": ("clustered", "extended")}
+                      "how": ("clustered", "extended"),
+                      "result": ("issued", "used", "wasted", "failed")}
 
 
 @dataclass

@@ -37,6 +37,10 @@ class KVReelWorker:
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
         self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
+        # workflow prefetches (disk -> host) on a thread of their own, behind nothing a request waits for
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-prefetch")
+        self._prefetched: dict[bytes, int] = {}
+        self._prefetch_failed: set[bytes] = set()
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()
@@ -108,6 +112,28 @@ class KVReelWorker:
                 self._async[op.req_id] = self._loader.submit(self._load, op)
             else:
                 self._load(op)
+        for key, tier in meta.prefetches:
+            self._prefetcher.submit(self._prefetch, key, tier)
+
+    def _prefetch(self, key: bytes, tier: Tier) -> None:
+        """Read a chunk from disk or the remote store into the host tier (a
+        workflow prefetch; verified like any load)."""
+        try:
+            source = self.tiers.get(tier)
+            if source is None:
+                raise ChunkUnavailable(f"the {tier.value} tier is disabled")
+            data = source.get(key)
+        except ChunkError as e:
+            with self._lock:
+                self._prefetch_failed.add(key)
+                if not isinstance(e, ChunkUnavailable):
+                    self._bad_keys.add(key)
+                    self.stats.add("corrupt_chunks", label=tier)
+            logger.warning("kvreel: prefetch of %s chunk %s failed (%s)", tier.value, key.hex()[:16], e)
+            return
+        self.tiers[Tier.HOST].put(key, [], data)
+        with self._lock:
+            self._prefetched[key] = 1
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
@@ -238,9 +264,11 @@ class KVReelWorker:
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
         with self._lock:
             bad, self._bad_keys = self._bad_keys, set()
+            landed, self._prefetched = self._prefetched, {}
+            lost, self._prefetch_failed = self._prefetch_failed, set()
         disk = self.tiers.get(Tier.DISK)
         failed = disk.take_failed_writes() if disk is not None else set()
-        meta = KVReelWorkerMeta(bad, failed, self._disk_disabled)
+        meta = KVReelWorkerMeta(bad, failed, self._disk_disabled, landed, lost)
         if self._disk_disabled:
             self.tiers.pop(Tier.DISK, None)
             self._disk_disabled = None
@@ -263,6 +291,7 @@ class KVReelWorker:
         for fut in list(self._async.values()):
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         disk = self.tiers.get(Tier.DISK)
         if disk is not None:
             disk.flush()

@@ -49,11 +49,14 @@ def close(llm) -> None:
     time.sleep(1)
 
 
-def run(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def run(llm, prompts: list[list[int]], max_tokens: int, hints: list[dict | None] | None = None) -> list[dict]:
+    """Greedy outputs; ``hints[i]``: prompt i's ``kv_transfer_params``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    sps = [SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True,
+                          extra_args={"kv_transfer_params": h} if h else None)
+           for h in (hints or [None] * len(prompts))]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
     res = []
     for o in outs:
         c = o.outputs[0]
@@ -74,7 +77,7 @@ def kvreel_metrics(llm) -> dict:
         if metric.name.startswith("vllm:kvreel_") or metric.name == "vllm:num_preemptions":
             for s in metric.samples:
                 if s.name.endswith("_total"):
-                    label = next((s.labels[k] for k in ("tier", "form", "outcome", "how") if k in s.labels), "")
+                    label = next((s.labels[k] for k in ("tier", "form", "outcome", "how", "result") if k in s.labels), "")
                     out[f"{s.name}|{label}" if label else s.name] = s.value
     return out
 
@@ -119,7 +122,7 @@ def scenario(args: dict) -> dict:
         elif action and action.startswith("shell:"):
             import subprocess
             subprocess.run(action[len("shell:"):], shell=True, check=True)
-        out["phases"].append(run(llm, phase["prompts"], phase.get("max_tokens", 8)))
+        out["phases"].append(run(llm, phase["prompts"], phase.get("max_tokens", 8), phase.get("hints")))
     out["metrics"] = kvreel_metrics(llm)
     close(llm)
     return out
