@@ -31,3 +31,21 @@ def test_streaming_session_example(tiny_model, tmp_path):
     last = turns[-1]
     assert last["prompt_tokens"] > 700 and last["retrieval_steps"].get("selected", 0) > 0
     assert 0 < last["kept_blocks"] < last["history_blocks"]
+
+
+def test_agent_workflow_example(tiny_model, tmp_path):
+    """The multi-agent loop against vLLM's OpenAI server: every agent's prompt comes
+    back from cache on its next turn, prefetched into kvreel's host tier."""
+    out = tmp_path / "steps.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_workflow.py"), "--serve", tiny_model,
+                           "--rounds", "2", "--host-bytes", "3MiB", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    got = json.loads(out.read_text())
+    steps, counters = got["steps"], got["counters"]
+    assert [s["agent"] for s in steps] == ["planner", "coder", "critic", "tester"] * 2
+    assert all(s["cached_tokens"] == 0 for s in steps[:4])
+    assert all(s["prompt_tokens"] - 128 < s["cached_tokens"] < s["prompt_tokens"] for s in steps[4:])
+    assert counters["prefetch_chunks_total|used"] > 0
+    assert counters["lookup_hit_blocks_total|host"] > 0
