@@ -161,7 +161,8 @@ def main() -> None:
                 stop_server(server)
                 if side is not None:
                     side.kill()
-            hits = {k.split("|")[1]: v for k, v in got["counters"].items() if k.startswith("lookup_hit_blocks|")}
+            hits = {k.split("|")[1]: v for k, v in got["counters"].items()
+                    if k.startswith("lookup_hit_blocks_total|")}
             got["host_hit_share"] = hits.get("host", 0) / sum(hits.values()) if sum(hits.values()) else 0.0
             out["results"].setdefault(shape, {})[policy] = got
             tqdm.write(f"{shape:10s} {policy:18s} TTFT mean {got['ttft_mean_ms']:7.1f} ms p99 "

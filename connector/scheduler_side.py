@@ -4,7 +4,8 @@ and loads sent to the workers.
 
 With agent-workflow hints (``kvreel.scheduler.workflow``, KVFlow) the tiers
 evict the chunks whose agents run furthest in the future first, and the chunks
-of agents about to run are prefetched from disk into the host tier.
+of agents about to run are prefetched from disk or the remote store into the
+host tier.
 
 A *chunk* is a run of consecutive full blocks of one prefix, at most
 ``KVREEL_CHUNK_TOKENS`` long and never crossing a chunk boundary, keyed by the

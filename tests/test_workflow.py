@@ -5,6 +5,7 @@ test_workflow_vllm.py."""
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -155,3 +156,40 @@ def test_a_failed_prefetch_releases_its_room(tmp_path):
     assert sched.host.used == used - CHUNK and c_key not in sched.host.lru
     assert sched.index[c_key][0].pins == 0
     assert sched.take_stats().data["prefetches|failed"] == 1
+
+
+def test_a_chunk_gone_from_every_local_tier_is_prefetched_from_the_remote_store(tmp_path):
+    """Host memory and the remote store only: a chunk evicted from host memory is
+    forgotten locally, and fetched back from the store before its agent runs."""
+    cfg = KVReelConfig.load(env={"KVREEL_CPU_BYTES": str(3 * CHUNK), "KVREEL_CHUNK_TOKENS": str(2 * BS),
+                                 "KVREEL_REMOTE_URL": f"file://{tmp_path}", "KVREEL_PREFETCH_DEPTH": "2"})
+    sched = KVReelScheduler(cfg, "model", block_size=BS, bytes_per_block=1024)
+    wf = Workflow("w", LOOP)
+    for i, agent in enumerate("ABCD"):                 # remote lookups find nothing: computed
+        request = SimpleNamespace(request_id=f"r{i}", block_hashes=[bytes([ord(agent), j]) * 16 for j in range(2)],
+                                  num_tokens=2 * BS + 5, kv_transfer_params=wf.hints(agent))
+        deadline = time.monotonic() + 10
+        while sched.get_num_new_matched_tokens(request, 0)[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sched.update_state_after_alloc(request, [10, 11, 12], 0)
+        new = SimpleNamespace(req_id=request.request_id, block_ids=([10, 11, 12],), num_computed_tokens=0)
+        sched.build_connector_meta(SimpleNamespace(
+            scheduled_new_reqs=[new], num_scheduled_tokens={request.request_id: 2 * BS + 5},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                  resumed_req_ids=set()), new_block_ids_to_zero=None))
+        sched.request_finished(request)
+    c_key = bytes([ord("C"), 1]) * 16
+    assert c_key not in sched.index                    # D's admission evicted C: in the store only
+    request = SimpleNamespace(request_id="r4", block_hashes=[bytes([ord("A"), j]) * 16 for j in range(2)],
+                              num_tokens=2 * BS + 5, kv_transfer_params=wf.hints("A"))
+    sched.get_num_new_matched_tokens(request, 0)
+    meta = sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={}, new_block_ids_to_zero=None,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                              resumed_req_ids=set())))
+    assert meta.prefetches == [(c_key, Tier.REMOTE)]
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVReelWorkerMeta(prefetched={c_key: 1}),
+                                                  finished_recving=[]))
+    assert sched.index[c_key][0].tiers == {Tier.HOST}   # indexed again, in host memory
+    sched.remote.close()
