@@ -62,23 +62,40 @@ def make_scheduler(tmp_path, **env):
     return KVReelScheduler(cfg, "model", block_size=BS, bytes_per_block=1024)
 
 
+def agent_request(req_id, agent, wf=None):
+    """A request whose prompt is ``agent``'s two-block prefix plus a partial block."""
+    return SimpleNamespace(request_id=req_id, block_hashes=[bytes([ord(agent), j]) * 16 for j in range(2)],
+                           num_tokens=2 * BS + 5, kv_transfer_params=wf.hints(agent) if wf else None)
+
+
+def scheduler_output(new=None, tokens=0):
+    """vLLM's SchedulerOutput as the connector reads it: ``new`` computes ``tokens``."""
+    return SimpleNamespace(scheduled_new_reqs=[new] if new else [],
+                           num_scheduled_tokens={new.req_id: tokens} if new else {},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                 resumed_req_ids=set()),
+                           new_block_ids_to_zero=None)
+
+
+def worker_said(sched, finished=(), **meta):
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVReelWorkerMeta(**meta) if meta else None,
+                                                  finished_recving=list(finished)))
+
+
 def step(sched, req_id, agent, wf=None):
     """One request of ``agent`` through the scheduler side as vLLM drives it:
     lookup, allocation, the step that computes (and saves) it, finish. Returns
-    the tier its prefix came from and the step's prefetches."""
-    hashes = [bytes([ord(agent), j]) * 16 for j in range(2)]
-    request = SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=2 * BS + 5,
-                              kv_transfer_params=wf.hints(agent) if wf else None)
-    matched, _ = sched.get_num_new_matched_tokens(request, 0)
+    the tier its prefix came from and the step's plan."""
+    request = agent_request(req_id, agent, wf)
+    deadline = time.monotonic() + 10
+    while (matched := sched.get_num_new_matched_tokens(request, 0)[0]) is None:   # a remote lookup in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     sched.update_state_after_alloc(request, [10, 11, 12], matched)
     tiers = sched.planned_tokens_by_tier(req_id)
     new = SimpleNamespace(req_id=req_id, block_ids=([10, 11, 12],), num_computed_tokens=matched)
-    out = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={req_id: 2 * BS + 5 - matched},
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                resumed_req_ids=set()),
-                          new_block_ids_to_zero=None)
-    meta = sched.build_connector_meta(out)
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, finished_recving=[req_id]))
+    meta = sched.build_connector_meta(scheduler_output(new, 2 * BS + 5 - matched))
+    worker_said(sched, finished=[req_id])
     sched.request_finished(request)
     return (max(tiers, key=tiers.get) if tiers else None), meta
 
@@ -120,21 +137,13 @@ def test_prefetch_brings_the_next_agents_prefix_into_host_memory(tmp_path):
     _, meta = step(sched, "r4", "A", wf)
     assert meta.prefetches == []
     # while B runs, C (one step away, on disk only) is prefetched into room held by a further chunk
-    wf_b = wf.hints("B")
-    request = SimpleNamespace(request_id="r5", block_hashes=[bytes([ord("B"), j]) * 16 for j in range(2)],
-                              num_tokens=2 * BS + 5, kv_transfer_params=wf_b)
+    request = agent_request("r5", "B", wf)
     sched.get_num_new_matched_tokens(request, 0)
     c_key = bytes([ord("C"), 1]) * 16
-    out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                resumed_req_ids=set()),
-                          new_block_ids_to_zero=None)
-    meta = sched.build_connector_meta(out)
-    assert meta.prefetches == [(c_key, Tier.DISK)]
-    assert sched.build_connector_meta(out).prefetches == []            # issued once
+    assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.DISK)]
+    assert sched.build_connector_meta(scheduler_output()).prefetches == []     # issued once
     assert Tier.HOST not in sched.index[c_key][0].tiers                 # not offered before it has landed
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVReelWorkerMeta(prefetched={c_key: 1}),
-                                                  finished_recving=[]))
+    worker_said(sched, prefetched={c_key: 1})
     assert Tier.HOST in sched.index[c_key][0].tiers
     sched.request_finished(request)
     assert step(sched, "r6", "C", wf)[0] == Tier.HOST
@@ -151,8 +160,7 @@ def test_a_failed_prefetch_releases_its_room(tmp_path):
     c_key = bytes([ord("C"), 1]) * 16
     assert meta.prefetches == [(c_key, Tier.DISK)]
     used = sched.host.used
-    sched.update_connector_output(SimpleNamespace(
-        kv_connector_worker_meta=KVReelWorkerMeta(prefetch_failed={c_key}), finished_recving=[]))
+    worker_said(sched, prefetch_failed={c_key})
     assert sched.host.used == used - CHUNK and c_key not in sched.host.lru
     assert sched.index[c_key][0].pins == 0
     assert sched.take_stats().data["prefetches|failed"] == 1
@@ -166,30 +174,11 @@ def test_a_chunk_gone_from_every_local_tier_is_prefetched_from_the_remote_store(
     sched = KVReelScheduler(cfg, "model", block_size=BS, bytes_per_block=1024)
     wf = Workflow("w", LOOP)
     for i, agent in enumerate("ABCD"):                 # remote lookups find nothing: computed
-        request = SimpleNamespace(request_id=f"r{i}", block_hashes=[bytes([ord(agent), j]) * 16 for j in range(2)],
-                                  num_tokens=2 * BS + 5, kv_transfer_params=wf.hints(agent))
-        deadline = time.monotonic() + 10
-        while sched.get_num_new_matched_tokens(request, 0)[0] is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        sched.update_state_after_alloc(request, [10, 11, 12], 0)
-        new = SimpleNamespace(req_id=request.request_id, block_ids=([10, 11, 12],), num_computed_tokens=0)
-        sched.build_connector_meta(SimpleNamespace(
-            scheduled_new_reqs=[new], num_scheduled_tokens={request.request_id: 2 * BS + 5},
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                  resumed_req_ids=set()), new_block_ids_to_zero=None))
-        sched.request_finished(request)
+        step(sched, f"r{i}", agent, wf)
     c_key = bytes([ord("C"), 1]) * 16
     assert c_key not in sched.index                    # D's admission evicted C: in the store only
-    request = SimpleNamespace(request_id="r4", block_hashes=[bytes([ord("A"), j]) * 16 for j in range(2)],
-                              num_tokens=2 * BS + 5, kv_transfer_params=wf.hints("A"))
-    sched.get_num_new_matched_tokens(request, 0)
-    meta = sched.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[], num_scheduled_tokens={}, new_block_ids_to_zero=None,
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                              resumed_req_ids=set())))
-    assert meta.prefetches == [(c_key, Tier.REMOTE)]
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVReelWorkerMeta(prefetched={c_key: 1}),
-                                                  finished_recving=[]))
+    sched.get_num_new_matched_tokens(agent_request("r4", "A", wf), 0)
+    assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.REMOTE)]
+    worker_said(sched, prefetched={c_key: 1})
     assert sched.index[c_key][0].tiers == {Tier.HOST}   # indexed again, in host memory
     sched.remote.close()
