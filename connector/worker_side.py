@@ -37,7 +37,7 @@ class KVReelWorker:
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
         self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
-        # workflow prefetches (disk -> host) on a thread of their own, behind nothing a request waits for
+        # workflow prefetches (disk or remote -> host) on a thread of their own, behind nothing a request waits for
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-prefetch")
         self._prefetched: dict[bytes, int] = {}
         self._prefetch_failed: set[bytes] = set()
@@ -130,6 +130,11 @@ class KVReelWorker:
                     self._bad_keys.add(key)
                     self.stats.add("corrupt_chunks", label=tier)
             logger.warning("kvreel: prefetch of %s chunk %s failed (%s)", tier.value, key.hex()[:16], e)
+            return
+        except Exception:                # a bug here must not leave the scheduler's reservation behind
+            logger.exception("kvreel: prefetch of %s chunk %s failed", tier.value, key.hex()[:16])
+            with self._lock:
+                self._prefetch_failed.add(key)
             return
         self.tiers[Tier.HOST].put(key, [], data)
         with self._lock:
