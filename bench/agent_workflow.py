@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,24 +34,11 @@ from common import RESULTS, python_source_corpus, save, start_redis  # noqa: E40
 from peers import start_vllm  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
+from kvreel.connector.stats import read_counters  # noqa: E402
 
 POLICIES = {"lru": {"KVREEL_EVICTION": "lru"},
             "workflow": {"KVREEL_EVICTION": "workflow", "KVREEL_PREFETCH_DEPTH": "0"},
             "workflow+prefetch": {"KVREEL_EVICTION": "workflow"}}
-
-
-def kvreel_counters(base: str) -> dict[str, float]:
-    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("vllm:kvreel_lookup_hit_blocks_total", "vllm:kvreel_lookup_miss_blocks_total",
-                            "vllm:kvreel_prefetch_chunks_total")):
-            name, value = line.rsplit(" ", 1)
-            label = next((p.split('"')[1] for p in name.split(",") if p.lstrip("{").startswith(("tier=", "result="))),
-                         "")
-            key = name.split("{")[0].removeprefix("vllm:kvreel_") + (f"|{label}" if label else "")
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
 
 
 async def one_request(session, base: str, prompt: list[int], hints: dict, max_tokens: int) -> float:
@@ -156,7 +142,7 @@ def main() -> None:
             try:
                 got = asyncio.run(run_workflows(base, agents, notes, shapes[shape], a.rounds, a.max_tokens))
                 time.sleep(1.5)                  # counters reach /metrics with the next log interval
-                got["counters"] = kvreel_counters(base)
+                got["counters"] = read_counters(base, ("lookup_hit_blocks", "lookup_miss_blocks", "prefetches"))
             finally:
                 stop_server(server)
                 if side is not None:

@@ -604,7 +604,7 @@ class KVReelScheduler:
             for chunk in self._async_pins.pop(req_id, ()):
                 chunk.pins -= 1
             for chunk in self._promotions.pop(req_id, ()):
-                if chunk.key in self.host.lru and self.index.get(chunk.key, (None,))[0] is chunk:
+                if chunk.key in self.host.lru and self._indexed(chunk):
                     chunk.tiers.add(HOST)
 
     def request_finished(self, request) -> None:

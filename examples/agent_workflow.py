@@ -38,19 +38,6 @@ def agent_prompts(chars: int) -> dict[str, str]:
             for i, a in enumerate(AGENTS)}
 
 
-def counters(base: str) -> dict[str, float]:
-    """kvreel's prefetch and hit counters, summed over engines, from /metrics."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("vllm:kvreel_prefetch_chunks_total", "vllm:kvreel_lookup_hit_blocks_total")):
-            name, value = line.rsplit(" ", 1)
-            label = next((p.split('"')[1] for p in name.split(",") if "result=" in p or "tier=" in p), "")
-            key = name.split("{")[0].replace("vllm:kvreel_", "") + "|" + label
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def run(base: str, model: str, rounds: int, prompt_chars: int, max_tokens: int) -> list[dict]:
     from openai import OpenAI
 
@@ -125,7 +112,8 @@ def main() -> int:
     try:
         steps = run(base, model, a.rounds, a.prompt_chars, a.max_tokens)
         time.sleep(1.5)                           # connector counters reach /metrics with the next log interval
-        found = counters(base)
+        from kvreel.connector.stats import read_counters
+        found = read_counters(base, ("prefetches", "lookup_hit_blocks"))
     finally:
         if server is not None:
             stop_server(server)

@@ -14,7 +14,8 @@ is: 0 while it runs, the length of the shortest path from the agent running
 (or last run) otherwise. A cached chunk takes the nearest distance of the
 agents that used it; the host and disk tiers evict the furthest first (LRU
 among equals), and the connector prefetches the chunks of agents at most
-``KVREEL_PREFETCH_DEPTH`` steps away from disk into host memory.
+``KVREEL_PREFETCH_DEPTH`` steps away from disk or the remote store into host
+memory.
 
 Hints only move chunks between tiers; they never change what is computed.
 Malformed or absurd hints are ignored with a log line. ``Workflow`` (below) is
@@ -104,7 +105,6 @@ class WorkflowTracker:
     def __init__(self) -> None:
         self._runs: OrderedDict[str, _Run] = OrderedDict()
         self._requests: dict[str, tuple[str, str]] = {}
-        self.version = 0          # bumped whenever a distance may have changed
         self.ignored = 0
 
     def on_request(self, req_id: str, params: Any) -> tuple[str, str] | None:
@@ -147,7 +147,6 @@ class WorkflowTracker:
             self._runs.popitem(last=False)
         if step is None or step >= run.step:       # an older step's late request moves nothing
             run.agent, run.running, run.step, run._dist = agent, True, run.step if step is None else step, None
-            self.version += 1
         return wf, agent
 
     def on_finished(self, req_id: str) -> None:
@@ -158,7 +157,6 @@ class WorkflowTracker:
         if run is not None and run.agent == tag[1] and run.running and \
                 not any(t == tag for t in self._requests.values()):
             run.running, run._dist = False, None
-            self.version += 1
 
     def steps(self, tag: tuple[str, str]) -> float:
         """Steps until ``tag``'s agent runs next in its workflow (FAR if unknown)."""

@@ -10,7 +10,8 @@ Scheduler side: ``RemoteLookups`` runs lookups on a thread so the scheduler
 never waits on the network (vLLM is told "ask again next step" meanwhile).
 Worker side: ``RemoteTier`` uploads write-behind (bounded queues, never blocking
 the forward pass; the byte forms and pointers first, the video forms after;
-drained on clean shutdown) and hands stored bytes to the fetch controller (``kvreel.scheduler.fetch_controller``), which decodes them.
+drained on clean shutdown) and hands stored bytes to the fetch controller
+(``kvreel.scheduler.fetch_controller``), which decodes them.
 """
 
 from __future__ import annotations
