@@ -8,7 +8,13 @@
    (the same engine with retrieval off), and the mean |logprob difference| of
    the actual next token. The working set's share of the history is kvreel's
    own counters (kept / history blocks over every layer-step).
-2. Outside vLLM, the same selection code on captured queries/keys/values
+2. In vLLM, decoding as served: several prompts past the threshold, each
+   followed by ``--decode`` greedy tokens through retrieval (predictions made
+   once per new history block, never waited for); full attention then
+   teacher-forces each prompt + generated tokens, and agreement is the share of
+   generated tokens it also ranks first. Full attention's own decoding, scored
+   the same way, is the control (decode vs prefill numerics).
+3. Outside vLLM, the same selection code on captured queries/keys/values
    (``RetrievalRuntime``'s slab history and ``select_slabs``, the DRE service's
    clustering and mass prediction; as a decode step is served, each layer's
    selection predicted from its own queries at the step its history last grew
@@ -43,27 +49,33 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 
 def engine_main(args: dict) -> None:
+    """One engine: ``score`` teacher-forces each sequence (prompt logprobs: the
+    top-1 token and the logprob of the actual next token at every position);
+    ``generate`` decodes ``decode`` tokens greedily after each prompt."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    seqs = json.loads(Path(args["prompt"]).read_text())
     llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=args["max_model_len"],
-              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=1, seed=0,
+              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=len(seqs), seed=0,
               disable_log_stats=False,
               kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "1GiB"}))
-    ids = json.loads(Path(args["prompt"]).read_text())
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in seqs]
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
-    wall = time.perf_counter() - t0
-    top1, actual = [], []
-    for pos, lp in enumerate(out.prompt_logprobs):
-        if lp is None:
-            top1.append(-1)
-            actual.append(0.0)
-            continue
-        top1.append(max(lp.items(), key=lambda kv: kv[1].logprob)[0])
-        actual.append(lp[ids[pos]].logprob)
-    report({"top1": top1, "actual": actual, "wall_s": wall, "metrics": retrieval_counters()})
+    if args["mode"] == "generate":
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args["decode"], temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        result = {"generated": [list(o.outputs[0].token_ids) for o in outs]}
+    else:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                            use_tqdm=False)
+        result = {"top1": [], "actual": []}
+        for ids, out in zip(seqs, outs):
+            lps = out.prompt_logprobs
+            result["top1"].append([-1] + [max(lp.items(), key=lambda kv: kv[1].logprob)[0] for lp in lps[1:]])
+            result["actual"].append([0.0] + [lp[ids[pos]].logprob for pos, lp in enumerate(lps) if pos])
+    result.update(wall_s=time.perf_counter() - t0, metrics=retrieval_counters())
+    report(result)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -74,17 +86,33 @@ def run_engine(args: dict, env: dict) -> dict:
     return got
 
 
-def agreement(ref: dict, got: dict, first: int) -> dict:
-    pairs = list(zip(ref["top1"][first:], got["top1"][first:]))
-    diffs = [abs(a - b) for a, b in zip(ref["actual"][first:], got["actual"][first:])]
+def served_share(got: dict) -> dict:
+    """The working set's share of the history and the step outcomes, from kvreel's counters."""
     m = got["metrics"]
     kept, history = m.get("vllm:kvreel_retrieval_kept_blocks_total", 0), m.get(
         "vllm:kvreel_retrieval_history_blocks_total", 0)
+    return {"working_set_share_of_history": kept / history if history else None,
+            "steps": {k.split("|")[1]: v for k, v in m.items() if "retrieval_steps" in k}}
+
+
+def agreement(ref: dict, got: dict, first: int) -> dict:
+    """Teacher-forced: top-1 and actual-token logprob at every position from ``first``."""
+    pairs = list(zip(ref["top1"][0][first:], got["top1"][0][first:]))
+    diffs = [abs(a - b) for a, b in zip(ref["actual"][0][first:], got["actual"][0][first:])]
     return {"positions": len(pairs), "top1_agreement": sum(a == b for a, b in pairs) / len(pairs),
-            "mean_abs_logprob_diff": sum(diffs) / len(diffs),
-            "working_set_share_of_history": kept / history if history else None,
-            "steps": {k.split("|")[1]: v for k, v in m.items() if "retrieval_steps" in k},
-            "wall_s": got["wall_s"]}
+            "mean_abs_logprob_diff": sum(diffs) / len(diffs), **served_share(got), "wall_s": got["wall_s"]}
+
+
+def generated_agreement(scored: dict, prompts: list[list[int]], gen: dict) -> dict:
+    """Decoding as served: the share of generated tokens (each the engine's greedy
+    top-1) that full attention, given the same sequence so far, also ranks first;
+    ``scored`` is full attention teacher-forced over prompt + generated tokens."""
+    same = total = 0
+    for top1, prompt, tokens in zip(scored["top1"], prompts, gen["generated"]):
+        ref = top1[len(prompt):len(prompt) + len(tokens)]
+        same += sum(a == b for a, b in zip(ref, tokens))
+        total += len(tokens)
+    return {"positions": total, "top1_agreement": same / total, **served_share(gen), "wall_s": gen["wall_s"]}
 
 
 # -- 2. attention-output error through the serving selection -----------------------------
@@ -164,18 +192,43 @@ def main() -> None:
     ap.add_argument("--error-positions", default="3089,4117,5141,6163,7061",
                     help="decode positions for the attention-output error (not block-aligned: the prediction "
                          "then comes from an earlier token, as served)")
+    ap.add_argument("--decode-prompts", default="3072,4096,5120,6144",
+                    help="decoding as served: prompt lengths (disjoint source text), decoded together")
+    ap.add_argument("--decode", type=int, default=512, help="tokens generated after each decode prompt")
+    ap.add_argument("--decode-chunk", type=int, default=512, help="prefill chunk of the decode prompts")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.model)
-    ids = tok(python_source_corpus(12 * a.tokens))["input_ids"][:a.tokens]
+    lengths = [int(x) for x in a.decode_prompts.split(",")]
+    corpus = tok(python_source_corpus(6 * (a.tokens + sum(lengths))))["input_ids"]
+    ids = corpus[:a.tokens]
+    decode_prompts, at = [], a.tokens
+    for n in lengths:
+        decode_prompts.append(corpus[at:at + n])
+        at += n
+    if at > len(corpus):
+        raise SystemExit(f"the corpus holds {len(corpus)} tokens, {at} wanted")
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-served"
     work.mkdir(exist_ok=True)
-    (work / "prompt.json").write_text(json.dumps(ids))
-    args = {"model": a.model, "prompt": str(work / "prompt.json"), "chunk": a.chunk, "max_model_len": a.tokens + 64}
+
+    def engine(mode: str, seqs: list[list[int]], chunk: int, env: dict) -> dict:
+        path = work / f"{mode}.json"
+        path.write_text(json.dumps(seqs))
+        return run_engine({"model": a.model, "prompt": str(path), "chunk": chunk, "mode": mode, "decode": a.decode,
+                           "max_model_len": max(a.tokens, max(lengths) + a.decode) + 64}, env)
+
+    def decoded_and_scored(env: dict) -> tuple[dict, dict]:
+        gen = engine("generate", decode_prompts, a.decode_chunk, env)
+        full = engine("score", [p + g for p, g in zip(decode_prompts, gen["generated"])], a.decode_chunk, {})
+        return gen, full
+
     print("== full attention", flush=True)
-    ref = run_engine(args, {})
-    results = {"full attention": {"wall_s": ref["wall_s"]}}
+    ref = engine("score", [ids], a.chunk, {})
+    gen, full = decoded_and_scored({})
+    results = {"full attention": {"wall_s": ref["wall_s"],
+                                  "decoding, as a control (decode vs teacher-forced numerics)":
+                                      generated_agreement(full, decode_prompts, gen)}}
     configs = [c.split(":") for c in a.configs.split(",")]
     for method, alpha, budget in configs:
         label = f"{method} alpha={alpha} budget={budget}"
@@ -183,15 +236,18 @@ def main() -> None:
         env = {"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_ALPHA": alpha, "KVREEL_RETRIEVAL_BUDGET_TOKENS": budget,
                "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens), "KVREEL_RETRIEVAL_WINDOW": str(a.window),
                "KVREEL_RETRIEVAL_DEADLINE_MS": "1000"}
-        got = run_engine(args, env)
-        results[label] = {"teacher_forced": agreement(ref, got, a.min_tokens)}
+        results[label] = {"teacher_forced": agreement(ref, engine("score", [ids], a.chunk, env), a.min_tokens)}
         print(json.dumps(results[label]), flush=True)
+        gen, full = decoded_and_scored(env)
+        results[label]["decoding"] = generated_agreement(full, decode_prompts, gen)
+        print(json.dumps(results[label]["decoding"]), flush=True)
         results[label]["attention_error"] = served_errors(
             a.model, ids, method, float(alpha), int(budget), a.window,
             [int(x) for x in a.error_positions.split(",")])
         print(json.dumps(results[label]["attention_error"]), flush=True)
     name = a.name or f"retrieval_served_{Path(a.model).name}"
-    settings = {k: getattr(a, k) for k in ("tokens", "chunk", "min_tokens", "window", "configs", "error_positions")}
+    settings = {k: getattr(a, k) for k in ("tokens", "chunk", "min_tokens", "window", "configs", "error_positions",
+                                           "decode_prompts", "decode", "decode_chunk")}
     path = save(name, {"model": Path(a.model).name, "settings": settings, "results": results})
     print(f"wrote {path}")
     _plot(name, results)
@@ -205,8 +261,10 @@ def _plot(name: str, results: dict) -> None:
     for label, r in results.items():
         if "teacher_forced" not in r:
             continue
-        tf, ae = r["teacher_forced"], r["attention_error"]
-        axes[0].scatter(tf["working_set_share_of_history"], 100 * tf["top1_agreement"], label=label)
+        tf, ae, dec = r["teacher_forced"], r["attention_error"], r["decoding"]
+        axes[0].scatter(tf["working_set_share_of_history"], 100 * tf["top1_agreement"], label=label + " (prompt)")
+        axes[0].scatter(dec["working_set_share_of_history"], 100 * dec["top1_agreement"], marker="^",
+                        label=label + " (decoding)")
         axes[1].scatter(ae["working_set_share_of_history"], ae["mean_error"], label=label + " (mean)")
         axes[1].scatter(ae["working_set_share_of_history"], ae["worst_head_error"], marker="x",
                         label=label + " (worst head)")
