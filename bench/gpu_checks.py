@@ -77,24 +77,25 @@ def copy_bench() -> dict:
     cache.random_(0, 255)
     placement = SimpleNamespace(layers=[f"l{i}" for i in range(layers)], layer_stride=num_blocks * page,
                                 block_stride=page, offset=0)
-    cfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[placement])
+    cfg = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[placement],
+                          kv_cache_groups=[SimpleNamespace(layer_names=placement.layers)])
     kv_caches = {f"l{i}": cache[i] for i in range(layers)}
     pr = PagedRegions(kv_caches, cfg)
     res = {}
     for label, ids in (("chunk (64 consecutive blocks)", list(range(100, 164))),
                        ("scattered (64 random blocks)", torch.randperm(num_blocks)[:64].tolist())):
         nbytes = len(ids) * layers * page
-        host = pr.gather(ids)
+        host = pr.gather((ids,))
         back_ids = [i + 2000 if i + 2000 < num_blocks else i - 2000 for i in ids]
-        pr.scatter(host, back_ids)
+        pr.scatter(host, (back_ids,))
         ok = all(torch.equal(cache[:, b], cache[:, a]) for a, b in zip(ids[:8], back_ids[:8]))
         t = []
         for _ in range(5):
-            torch.cuda.synchronize(); t0 = time.perf_counter(); pr.gather(ids); t.append(time.perf_counter() - t0)
+            torch.cuda.synchronize(); t0 = time.perf_counter(); pr.gather((ids,)); t.append(time.perf_counter() - t0)
         d2h = nbytes / min(t) / 1e9
         t = []
         for _ in range(5):
-            torch.cuda.synchronize(); t0 = time.perf_counter(); pr.scatter(host, back_ids); torch.cuda.synchronize()
+            torch.cuda.synchronize(); t0 = time.perf_counter(); pr.scatter(host, (back_ids,)); torch.cuda.synchronize()
             t.append(time.perf_counter() - t0)
         h2d = nbytes / min(t) / 1e9
         # raw baseline: one pinned copy_ of the same number of bytes, contiguous on both sides

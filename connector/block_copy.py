@@ -16,37 +16,80 @@ import torch
 MAX_DMA_RUNS = 8
 
 
+GroupBlockIds = tuple[list[int], ...]
+"""Block ids per KV cache group, position by position (one list per group; with
+vLLM's hybrid KV cache manager a sliding-window group holds NULL_BLOCK where a
+position left its window)."""
+
+NULL_BLOCK = 0      # vLLM's BlockPool reserves block 0 as the null block of every group
+
+
+def _region_plan(kv_cache_config) -> list[tuple[int, int, int, int]]:
+    """(group, placement index, byte offset, block stride) of every region, group by group.
+
+    A region is one layer's pages (one per placement for block-outermost layouts).
+    vLLM's hybrid KV cache manager overlays the groups' tensors on the same bytes
+    (a block id belongs to one group at a time), so regions are told apart per
+    group: the same offset in two groups is two regions, each addressed with its
+    own group's block ids."""
+    num_blocks = kv_cache_config.num_blocks
+    groups = copied_groups(kv_cache_config)
+    plan = []
+    for g in groups:
+        names = set(kv_cache_config.kv_cache_groups[g].layer_names)
+        seen: set[int] = set()
+        for p, placement in enumerate(kv_cache_config.kv_cache_tensors):
+            mine = [i for i, name in enumerate(placement.layers) if name in names]
+            if not mine:
+                continue
+            if placement.layer_stride >= num_blocks * placement.block_stride:   # layer-outermost
+                starts = [placement.offset + i * placement.layer_stride for i in mine]
+            elif len(mine) == len(placement.layers):                           # a block packs all layers
+                starts = [placement.offset]
+            else:
+                raise RuntimeError("kvreel: a block-outermost KV cache packs layers of several KV cache groups; "
+                                   "not supported")
+            for start in starts:
+                if start not in seen:        # layers sharing their KV within a group are one region
+                    seen.add(start)
+                    plan.append((g, p, start, placement.block_stride))
+    if not plan:
+        raise RuntimeError("kvreel: the engine registered no KV cache tensors")
+    sizes = {stride for *_, stride in plan}
+    if len(sizes) != 1:
+        raise RuntimeError(f"kvreel: layers with different page sizes ({sorted(sizes)}) are not supported")
+    return plan
+
+
+def copied_groups(kv_cache_config) -> tuple[int, ...]:
+    """The KV cache groups kvreel stores and restores: those vLLM lets a
+    hash-addressed store restore (the connector refuses models with others:
+    ``check_kv_cache_groups``)."""
+    groups = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    return tuple(groups) if groups is not None else tuple(range(len(kv_cache_config.kv_cache_groups)))
+
+
 class PagedRegions:
-    """Every [num_blocks, block_bytes] byte view that together holds a block's KV."""
+    """Every [num_blocks, block_bytes] byte view that together holds a block's KV,
+    each addressed by the block ids of its KV cache group."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], kv_cache_config) -> None:
         num_blocks = kv_cache_config.num_blocks
-        regions: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for placement in kv_cache_config.kv_cache_tensors:
+        self.regions: list[torch.Tensor] = []
+        self.group_of: list[int] = []
+        for g, p, start, stride in _region_plan(kv_cache_config):
+            placement = kv_cache_config.kv_cache_tensors[p]
             name = next((n for n in placement.layers if n in kv_caches), None)
             if name is None:
                 continue
             cache = kv_caches[name]
             raw = torch.empty(0, dtype=torch.int8, device=cache.device).set_(cache.untyped_storage())
-            span = num_blocks * placement.block_stride
-            if placement.layer_stride >= span:      # layer-outermost: one region per layer
-                starts = [placement.offset + i * placement.layer_stride for i in range(len(placement.layers))]
-            else:                                   # block-outermost: a block packs all layers
-                starts = [0]
-            for start in starts:
-                region = raw[start:start + span].view(num_blocks, placement.block_stride)
-                if region.data_ptr() not in seen:
-                    seen.add(region.data_ptr())
-                    regions.append(region)
-        if not regions:
+            self.regions.append(raw[start:start + num_blocks * stride].view(num_blocks, stride))
+            self.group_of.append(g)
+        if not self.regions:
             raise RuntimeError("kvreel: the engine registered no KV cache tensors")
-        sizes = {r.shape[1] for r in regions}
-        if len(sizes) != 1:
-            raise RuntimeError(f"kvreel: layers with different page sizes ({sorted(sizes)}) are not supported")
-        self.regions = regions
-        self.block_bytes = sizes.pop()
-        self.device = regions[0].device
+        self.block_bytes = self.regions[0].shape[1]
+        self.device = self.regions[0].device
         self.is_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
 
@@ -58,49 +101,72 @@ class PagedRegions:
         return torch.empty((len(self.regions), num_blocks, self.block_bytes), dtype=torch.uint8,
                            pin_memory=self.is_cuda)
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out of the paged cache into a new host tensor [regions, n, block_bytes].
+    def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
+        """Copy blocks (ids per KV cache group) out of the paged cache into a new
+        host tensor [regions, n, block_bytes].
 
         Runs of consecutive block ids move as one slice copy (on CUDA one DMA
         per run and region, straight into pinned memory, on a side stream);
         only scattered blocks pay for an index_select."""
-        out = self.empty_host(len(block_ids))
+        out = self.empty_host(len(block_ids[0]))
         dst = out.view(torch.int8)
-        runs = list(_runs(block_ids))
         stream = self._side_stream_after_compute()
         with _on(stream):
-            if self.is_cuda and len(runs) > MAX_DMA_RUNS:
-                # scattered blocks: one gather kernel per region, then one DMA
-                idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-                dst.copy_(torch.stack([region.index_select(0, idx) for region in self.regions]), non_blocking=True)
-            else:
+            for lo, hi, ids in self._by_group(block_ids):
+                if NULL_BLOCK in ids:
+                    raise ValueError("kvreel: a stored block must be held by every KV cache group")
+                runs = list(_runs(ids))
+                if self.is_cuda and len(runs) > MAX_DMA_RUNS:
+                    # scattered blocks: one gather kernel per region, then one DMA
+                    idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+                    dst[lo:hi].copy_(torch.stack([self.regions[r].index_select(0, idx) for r in range(lo, hi)]),
+                                     non_blocking=True)
+                    continue
                 for first, start, n in runs:
-                    for r, region in enumerate(self.regions):
-                        dst[r, first:first + n].copy_(region[start:start + n], non_blocking=self.is_cuda)
+                    for r in range(lo, hi):
+                        dst[r, first:first + n].copy_(self.regions[r][start:start + n], non_blocking=self.is_cuda)
         if stream is not None:
             stream.synchronize()
         return out
 
-    def scatter(self, host: torch.Tensor, block_ids: list[int], rows: slice | None = None,
+    def scatter(self, host: torch.Tensor, block_ids: GroupBlockIds, rows: slice | None = None,
                 first_region: int = 0) -> None:
         """Write host rows [regions, n, block_bytes] (or host[:, rows]) into the given
-        blocks; with ``first_region`` the host tensor holds only regions from there on."""
+        blocks (ids per KV cache group; NULL_BLOCK positions are left out: a
+        sliding-window group does not hold them); with ``first_region`` the host
+        tensor holds only regions from there on."""
         src = (host if rows is None else host[:, rows]).view(torch.int8)
-        regions = self.regions[first_region:first_region + src.shape[0]]
-        runs = list(_runs(block_ids))
+        last = first_region + src.shape[0]
         stream = self._stream
         with _on(stream):
-            if self.is_cuda and len(runs) > MAX_DMA_RUNS:
-                idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-                dev = src.to(self.device, non_blocking=True)
-                for r, region in enumerate(regions):
-                    region.index_copy_(0, idx, dev[r])
-            else:
+            for lo, hi, ids in self._by_group(block_ids):
+                lo, hi = max(lo, first_region), min(hi, last)
+                if lo >= hi:
+                    continue
+                runs = list(_runs(ids))
+                if self.is_cuda and len(runs) > MAX_DMA_RUNS:
+                    keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
+                    idx = torch.tensor([ids[i] for i in keep], dtype=torch.long, device=self.device)
+                    dev = src[lo - first_region:hi - first_region, keep].to(self.device, non_blocking=True)
+                    for r in range(lo, hi):
+                        self.regions[r].index_copy_(0, idx, dev[r - lo])
+                    continue
                 for first, start, n in runs:
-                    for r, region in enumerate(regions):
-                        region[start:start + n].copy_(src[r, first:first + n], non_blocking=self.is_cuda)
+                    for r in range(lo, hi):
+                        self.regions[r][start:start + n].copy_(src[r - first_region, first:first + n],
+                                                               non_blocking=self.is_cuda)
         if stream is not None:
             stream.synchronize()
+
+    def _by_group(self, block_ids: GroupBlockIds):
+        """(first region, end region, block ids) per KV cache group (its regions are consecutive)."""
+        lo = 0
+        while lo < len(self.regions):
+            hi = lo
+            while hi < len(self.regions) and self.group_of[hi] == self.group_of[lo]:
+                hi += 1
+            yield lo, hi, block_ids[self.group_of[lo]]
+            lo = hi
 
     def _side_stream_after_compute(self):
         if self._stream is not None:
@@ -114,9 +180,13 @@ def _on(stream):
 
 
 def _runs(block_ids: list[int]):
-    """(position in the list, first block id, length) of each run of consecutive ids."""
+    """(position in the list, first block id, length) of each run of consecutive
+    ids; NULL_BLOCK positions belong to no run."""
     i = 0
     while i < len(block_ids):
+        if block_ids[i] == NULL_BLOCK:
+            i += 1
+            continue
         j = i + 1
         while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
             j += 1
@@ -127,12 +197,5 @@ def _runs(block_ids: list[int]):
 def layout_of(kv_cache_config) -> tuple[int, int]:
     """(regions, block_bytes) that PagedRegions will find, computed without tensors
     so the scheduler side can size its tiers."""
-    num_blocks = kv_cache_config.num_blocks
-    regions, sizes = 0, set()
-    for placement in kv_cache_config.kv_cache_tensors:
-        outermost = placement.layer_stride >= num_blocks * placement.block_stride
-        regions += len(placement.layers) if outermost else 1
-        sizes.add(placement.block_stride)
-    if len(sizes) != 1:
-        raise RuntimeError(f"kvreel: layers with different page sizes ({sorted(sizes)}) are not supported")
-    return regions, sizes.pop()
+    plan = _region_plan(kv_cache_config)
+    return len(plan), plan[0][3]

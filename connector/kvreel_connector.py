@@ -17,10 +17,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvreel.connector.block_copy import layout_of
+from kvreel.connector.block_copy import copied_groups, layout_of
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata
 from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
@@ -79,6 +86,47 @@ def model_identity(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
+# KV cache specs whose pages kvreel copies by block position: attention KV, whole
+# (full attention) or the part a window still holds (NULL_BLOCK elsewhere).
+COPIED_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+
+
+def check_kv_cache_groups(kv_cache_config: "KVCacheConfig", retrieval: bool) -> int:
+    """The block size of the model's KV cache groups, once kvreel knows it can
+    serve them exactly; a model it cannot is refused here, at start-up, with
+    the reason (a prefix restored without some of its state gives wrong tokens)."""
+    groups = kv_cache_config.kv_cache_groups
+    copied = copied_groups(kv_cache_config)
+    transferable = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    sizes = set()
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        kinds = "/".join(sorted({type(s).__name__ for s in specs}))
+        where = f"KV cache group {g} ({kinds}, layers {', '.join(group.layer_names[:3])}" \
+                f"{', ...' if len(group.layer_names) > 3 else ''})"
+        if g in transferable and g not in copied:
+            raise ValueError(f"kvreel restores prefixes by vLLM's block hashes, and {where} cannot be restored "
+                             "that way; serve this model without kvreel")
+        if g not in copied:
+            continue
+        if not all(isinstance(s, COPIED_SPECS) for s in specs):
+            raise ValueError(f"kvreel saves attention KV pages only, and {where} holds state it does not save "
+                             "(e.g. recurrent layers); a prefix restored without it would give wrong tokens: "
+                             "serve this model without kvreel")
+        sizes.add(spec.block_size)
+    if len(sizes) > 1:
+        raise ValueError(f"kvreel needs one block size for all KV cache groups (this model has {sorted(sizes)})")
+    if retrieval and len(groups) > 1:
+        raise ValueError(f"KVREEL_RETRIEVAL needs a model whose layers share one full-attention KV cache group "
+                         f"(this one has {len(groups)}): set KVREEL_RETRIEVAL=off")
+    block_size = sizes.pop()
+    if kv_cache_config.hash_block_size not in (None, block_size):
+        raise ValueError(f"kvreel needs hash_block_size == block_size ({kv_cache_config.hash_block_size} "
+                         f"!= {block_size})")
+    return block_size
+
+
 def _worker_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_world_group
@@ -87,8 +135,12 @@ def _worker_rank() -> int:
         return 0
 
 
-class KVReelConnector(KVConnectorBase_V1):
-    """Tiered, exact KV offload (host memory -> disk) keyed by vLLM's block hashes."""
+class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered, exact KV offload (host memory -> disk) keyed by vLLM's block hashes.
+
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with
+    sliding-window layers keeps only their window in vLLM's cache, and kvreel
+    stores and restores each KV cache group's pages with its own block ids."""
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -101,13 +153,7 @@ class KVReelConnector(KVConnectorBase_V1):
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("kvreel keys chunks by vLLM's prefix-cache block hashes: "
                              "start vLLM with prefix caching enabled (the default)")
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"kvreel supports models with one KV cache group, this one has {len(groups)}")
-        block_size = groups[0].kv_cache_spec.block_size
-        if kv_cache_config.hash_block_size not in (None, block_size):
-            raise ValueError(f"kvreel needs hash_block_size == block_size ({kv_cache_config.hash_block_size} "
-                             f"!= {block_size})")
+        block_size = check_kv_cache_groups(kv_cache_config, self.cfg.retrieval != "off")
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A failed or damaged load must cost a recompute, never the request.
             logger.info("kvreel: setting kv_load_failure_policy='recompute'")
@@ -120,7 +166,8 @@ class KVReelConnector(KVConnectorBase_V1):
             from kvreel.connector.scheduler_side import KVReelScheduler
             regions, block_bytes = layout_of(kv_cache_config)
             self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes,
-                                              workers=vllm_config.parallel_config.world_size)
+                                              workers=vllm_config.parallel_config.world_size,
+                                              groups=len(kv_cache_config.kv_cache_groups))
         else:
             from kvreel.connector.worker_side import KVReelWorker
             self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)
@@ -186,7 +233,7 @@ class KVReelConnector(KVConnectorBase_V1):
         return {CacheHitSource.HOST if tier == Tier.HOST else CacheHitSource.DISK: n for tier, n in tokens.items()}
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -197,7 +244,10 @@ class KVReelConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._scheduler.request_finished(request)
-        return False, None
+        return False, None       # every block was stored in the step that computed it: nothing to wait for
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset() if self._scheduler else None
@@ -211,4 +261,4 @@ class KVReelConnector(KVConnectorBase_V1):
         return KVReelPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-__all__ = ["KVReelConnector", "identity_fields", "model_identity"]
+__all__ = ["KVReelConnector", "check_kv_cache_groups", "identity_fields", "model_identity"]

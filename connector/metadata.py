@@ -15,26 +15,48 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.tiers import Tier
 
 
 @dataclass
 class StoreOp:
-    """Copy ``block_ids`` out of the paged cache as chunk ``key`` into ``tiers``."""
+    """Copy ``block_ids`` (per KV cache group) out of the paged cache as chunk ``key`` into ``tiers``."""
     key: bytes
     block_hashes: list[bytes]
-    block_ids: list[int]
+    block_ids: GroupBlockIds
     tiers: set[Tier]
 
 
 @dataclass
 class LoadPiece:
-    """Rows ``[first, first + len(block_ids))`` of chunk ``key`` go into ``block_ids``."""
+    """Rows ``[first, first + rows)`` of chunk ``key`` go into ``block_ids`` (per KV cache group)."""
     key: bytes
     tier: Tier
     first: int
-    block_ids: list[int]
+    block_ids: GroupBlockIds
     promote_to_host: bool = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.block_ids[0])
+
+    @property
+    def row_slice(self) -> slice:
+        return slice(self.first, self.first + self.rows)
+
+    def extends(self, key: bytes, row: int) -> bool:
+        """Row ``row`` of chunk ``key`` continues this piece."""
+        return self.key == key and self.first + self.rows == row
+
+    def append(self, block_ids: GroupBlockIds, position: int) -> None:
+        for mine, ids in zip(self.block_ids, block_ids):
+            mine.append(ids[position])
+
+    @classmethod
+    def at(cls, key: bytes, tier: Tier, row: int, block_ids: GroupBlockIds, position: int) -> "LoadPiece":
+        """A piece of one row, into the blocks at ``position`` of ``block_ids``."""
+        return cls(key, tier, row, tuple([ids[position]] for ids in block_ids))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvreel.codec.formats import ChunkError
+from kvreel.connector.block_copy import NULL_BLOCK, GroupBlockIds
 from kvreel.connector.config import KVReelConfig, format_bytes
 from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece, StoreOp
 from kvreel.connector.stats import KVReelStats
@@ -105,8 +106,9 @@ def _prompt_blocks(request, block_size: int) -> int:
 @dataclass
 class RequestState:
     request: object
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: GroupBlockIds = ()                    # per KV cache group, position by position
     saved_upto: int = 0          # blocks below this are stored (or were skipped)
+    load: tuple[int, set[int]] | None = None       # (first block, block ids of group 0) of its last load
     counted_lookup: bool = False
     from_remote: set = field(default_factory=set)   # hashes this request loaded from the remote tier
     user: tuple[str, str] | None = None             # (workflow, agent) from the request's hints
@@ -114,7 +116,7 @@ class RequestState:
 
 class KVReelScheduler:
     def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int,
-                 workers: int = 1):
+                 workers: int = 1, groups: int = 1):
         if cfg.chunk_tokens % block_size:
             raise ValueError(f"KVREEL_CHUNK_TOKENS={cfg.chunk_tokens} must be a multiple of the engine's "
                              f"block size ({block_size})")
@@ -130,6 +132,9 @@ class KVReelScheduler:
         if cfg.disk_dir:
             self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, steps)
         self.workers = workers
+        # vLLM maps failed block ids back to requests only with one KV cache group;
+        # with more, every load is asynchronous and a failure is reported per request
+        self.loads_by_request = groups > 1
         self._agent_chunks: dict[tuple[str, str], OrderedDict[bytes, Chunk]] = {}
         self._prefetching: dict[bytes, Chunk] = {}
         self._prefetch_landed: dict[bytes, int] = {}
@@ -231,11 +236,11 @@ class KVReelScheduler:
             return 0, False
         self._planned[request.request_id] = (start, local_end)
         self._history_skip[request.request_id] = skip
-        needs_async = n > local_end or skip > 0 or \
+        needs_async = n > local_end or skip > 0 or self.loads_by_request or \
             any(HOST not in self.index[h][0].tiers for h in hashes[start:local_end])
         return (n - start) * self.block_size, needs_async and not self.blocking
 
-    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request, block_ids: GroupBlockIds, num_external_tokens: int) -> None:
         st = self.reqs.setdefault(request.request_id, RequestState(request))
         plan = self._planned.pop(request.request_id, None)
         if num_external_tokens == 0 or plan is None:
@@ -252,23 +257,24 @@ class KVReelScheduler:
             if i >= first_remote:
                 key, row = remote[i - first_remote]
                 last = pieces[-1] if pieces else None
-                if last and last.key == key and last.first + len(last.block_ids) == row:
-                    last.block_ids.append(block_ids[i])
+                if last and last.extends(key, row):
+                    last.append(block_ids, i)
                 else:
-                    pieces.append(LoadPiece(key, REMOTE, row, [block_ids[i]]))
+                    pieces.append(LoadPiece.at(key, REMOTE, row, block_ids, i))
                 st.from_remote.add(request.block_hashes[i])
                 continue
             chunk, row = self.index[request.block_hashes[i]]
             tier = HOST if HOST in chunk.tiers else DISK
             last = pieces[-1] if pieces else None
-            if last and last.key == chunk.key and last.first + len(last.block_ids) == row:
-                last.block_ids.append(block_ids[i])
+            if last and last.extends(chunk.key, row):
+                last.append(block_ids, i)
                 continue
-            pieces.append(LoadPiece(chunk.key, tier, row, [block_ids[i]]))
+            pieces.append(LoadPiece.at(chunk.key, tier, row, block_ids, i))
             self._pin_for_load(chunk, chunks, tier)
         for p in pieces:
-            self.stats.add("lookup_hit_blocks", len(p.block_ids), p.tier)
-        is_async = (any(p.tier != HOST for p in pieces) or bool(history)) and not self.blocking
+            self.stats.add("lookup_hit_blocks", p.rows, p.tier)
+        is_async = (any(p.tier != HOST for p in pieces) or bool(history) or self.loads_by_request) \
+            and not self.blocking
         if is_async:
             self._async_pins[request.request_id] = chunks
         else:
@@ -276,6 +282,7 @@ class KVReelScheduler:
         # blocks loaded from the remote tier are saved into the local tiers once
         # the request runs (they are valid in its blocks then)
         st.saved_upto = max(st.saved_upto, min(end, first_remote))
+        st.load = (start, set(block_ids[0][start:end]))
         self._loads.append(LoadOp(request.request_id, pieces, is_async, history))
         if self.history is not None:
             self.history.admitted(request.request_id, skip)
@@ -314,7 +321,7 @@ class KVReelScheduler:
         for op in self._loads:
             if op.req_id == req_id:
                 for p in op.pieces:
-                    out[p.tier] = out.get(p.tier, 0) + len(p.block_ids) * self.block_size
+                    out[p.tier] = out.get(p.tier, 0) + p.rows * self.block_size
         return out
 
     # -- saves ---------------------------------------------------------------
@@ -322,7 +329,7 @@ class KVReelScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = tuple(list(ids) for ids in new.block_ids)
                 self._plan_saves(st, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -331,9 +338,11 @@ class KVReelScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = tuple(list(ids or ()) for ids in new_ids) if new_ids else ()
             elif new_ids:
-                st.block_ids += new_ids[0]
+                st.block_ids = st.block_ids or tuple([] for _ in new_ids)
+                for mine, ids in zip(st.block_ids, new_ids):
+                    mine += ids or ()
             self._plan_saves(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         self._account_histories()
         self._plan_promotions()
@@ -477,7 +486,7 @@ class KVReelScheduler:
         to_zero = scheduler_output.new_block_ids_to_zero
         if not to_zero:
             return
-        loaded = {b for op in self._loads if not op.is_async for p in op.pieces for b in p.block_ids}
+        loaded = {b for op in self._loads if not op.is_async for p in op.pieces for b in p.block_ids[0]}
         if loaded:
             scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
 
@@ -489,25 +498,33 @@ class KVReelScheduler:
         boundary. Storing at once means vLLM never has to keep a finished
         request's blocks alive for a late save, so kvreel does not change
         vLLM's scheduling."""
+        if not st.block_ids:
+            return
         if self.history is not None:
-            self.history.plan(st.request.request_id, computed_after, st.block_ids)
+            self.history.plan(st.request.request_id, computed_after, st.block_ids[0])
         hashes = st.request.block_hashes
-        full = min(computed_after // self.block_size, len(hashes), len(st.block_ids))
+        full = min(computed_after // self.block_size, len(hashes), *(len(ids) for ids in st.block_ids))
         i = st.saved_upto
         while i < full:
-            if hashes[i] in self.index:
+            if hashes[i] in self.index or not self._held_by_every_group(st, i):
                 i += 1
                 continue
             j = i
             boundary = (i // self.chunk_blocks + 1) * self.chunk_blocks
-            while j < min(full, boundary) and hashes[j] not in self.index:
+            while j < min(full, boundary) and hashes[j] not in self.index and self._held_by_every_group(st, j):
                 j += 1
             user = st.user if i < _prompt_blocks(st.request, self.block_size) else None  # prompts, not answers
-            self._new_chunk(list(hashes[i:j]), st.block_ids[i:j], st.from_remote, user)
+            self._new_chunk(list(hashes[i:j]), tuple(ids[i:j] for ids in st.block_ids), st.from_remote, user)
             i = j
         st.saved_upto = max(st.saved_upto, full)
 
-    def _new_chunk(self, block_hashes: list[bytes], block_ids: list[int], from_remote: set,
+    @staticmethod
+    def _held_by_every_group(st: RequestState, position: int) -> bool:
+        """A block is stored only whole: a sliding-window group may hold a
+        position (a prefix vLLM found in its own cache) only as NULL_BLOCK."""
+        return all(ids[position] != NULL_BLOCK for ids in st.block_ids)
+
+    def _new_chunk(self, block_hashes: list[bytes], block_ids: GroupBlockIds, from_remote: set,
                    user: tuple[str, str] | None = None) -> None:
         chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
         if user is not None:
@@ -579,6 +596,8 @@ class KVReelScheduler:
     def update_connector_output(self, output) -> None:
         if self.history is not None:
             self.history.confirm()
+        if output.failed_recving or output.invalid_block_ids:
+            self._recomputed(set(output.failed_recving or ()), set(output.invalid_block_ids or ()))
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVReelWorkerMeta):
             disk = self.budgets.get(DISK)
@@ -606,6 +625,14 @@ class KVReelScheduler:
             for chunk in self._promotions.pop(req_id, ()):
                 if chunk.key in self.host.lru and self._indexed(chunk):
                     chunk.tiers.add(HOST)
+
+    def _recomputed(self, failed_requests: set[str], invalid_blocks: set[int]) -> None:
+        """Requests whose load failed are recomputed by vLLM (whole, or from the
+        first failed block): what they compute then is stored anew."""
+        for req_id, st in self.reqs.items():
+            if st.load is not None and (req_id in failed_requests or st.load[1] & invalid_blocks):
+                st.saved_upto = min(st.saved_upto, st.load[0])
+                st.load = None
 
     def request_finished(self, request) -> None:
         st = self.reqs.pop(request.request_id, None)

@@ -159,16 +159,16 @@ class KVReelWorker:
                     raise ChunkUnavailable(f"the {piece.tier.value} tier is disabled")
                 data = tier.get(piece.key)
                 self._check_fits(data, piece)
-                self.pages.scatter(data, piece.block_ids, _rows(piece))
+                self.pages.scatter(data, piece.block_ids, piece.row_slice)
                 self._restored(piece, data, t0)
             except ChunkError as e:
-                self._failed(piece, e)
+                self._failed(op.req_id, piece, e)
         if remote:
             if self.fetcher is None:
                 for piece in remote:
-                    self._failed(piece, ChunkUnavailable("remote tier is not configured on this worker"))
+                    self._failed(op.req_id, piece, ChunkUnavailable("remote tier is not configured on this worker"))
             else:
-                self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, remote))
+                self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, op.req_id, remote))
 
     def _load_history(self, req_id: str, piece: HistoryPiece) -> None:
         """Blocks of an admitted long prefix, from a local tier into the request's history."""
@@ -205,7 +205,7 @@ class KVReelWorker:
     def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
         """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
         regions = len(self.pages.regions)
-        if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < _rows(piece).stop \
+        if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < piece.row_slice.stop \
                 or (first_region + data.shape[0] != regions if whole else first_region + data.shape[0] > regions):
             raise ChunkError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
 
@@ -214,23 +214,26 @@ class KVReelWorker:
         if piece.promote_to_host:
             self.tiers[Tier.HOST].put(piece.key, [], data)
         with self._lock:
-            self.stats.add("loaded_bytes", len(piece.block_ids) * self.pages.bytes_per_block, piece.tier)
+            self.stats.add("loaded_bytes", piece.rows * self.pages.bytes_per_block, piece.tier)
             self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
             self.stats.add("load_count", 1, piece.tier)
 
-    def _failed(self, piece: LoadPiece, e: ChunkError) -> None:
+    def _failed(self, req_id: str, piece: LoadPiece, e: ChunkError) -> None:
         with self._lock:
-            self._load_errors.update(piece.block_ids)
+            if len(piece.block_ids) == 1:
+                self._load_errors.update(piece.block_ids[0])
+            else:       # block ids are unique only within a KV cache group: vLLM recomputes the request
+                self._failed_requests.add(req_id)
             self._bad_keys.add(piece.key)
             if not isinstance(e, ChunkUnavailable):
                 self.stats.add("corrupt_chunks", label=piece.tier)
-            self.stats.add("load_errors", len(piece.block_ids))
+            self.stats.add("load_errors", piece.rows)
             first_report = piece.key not in self._reported_bad
             self._reported_bad.add(piece.key)
         if first_report:
             what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
             logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
-                           what, piece.tier.value, piece.key.hex()[:16], e, len(piece.block_ids))
+                           what, piece.tier.value, piece.key.hex()[:16], e, piece.rows)
 
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
@@ -306,22 +309,18 @@ class KVReelWorker:
             tier.close()
 
 
-def _rows(piece: LoadPiece) -> slice:
-    return slice(piece.first, piece.first + len(piece.block_ids))
-
-
 class _RemoteRestore:
     """Where the fetch controller delivers a request's remote chunks: each
     verified part is scattered into the piece's blocks as it arrives; each
     finished chunk is booked, or failed (its blocks are recomputed)."""
 
-    def __init__(self, worker: KVReelWorker, pieces: list[LoadPiece]):
-        self.worker, self.pieces, self.t0 = worker, pieces, time.perf_counter()
+    def __init__(self, worker: KVReelWorker, req_id: str, pieces: list[LoadPiece]):
+        self.worker, self.req_id, self.pieces, self.t0 = worker, req_id, pieces, time.perf_counter()
 
     def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
         piece = self.pieces[index]
         self.worker._check_fits(rows, piece, first_region, whole=False)
-        self.worker.pages.scatter(rows, piece.block_ids, _rows(piece), first_region=first_region)
+        self.worker.pages.scatter(rows, piece.block_ids, piece.row_slice, first_region=first_region)
 
     def done(self, result) -> None:
         w, piece = self.worker, self.pieces[result.index]
@@ -336,4 +335,4 @@ class _RemoteRestore:
             w._check_fits(result.payload, piece)      # every region arrived through part()
             w._restored(piece, result.payload, self.t0)
         except ChunkError as e:
-            w._failed(piece, e)
+            w._failed(self.req_id, piece, e)

@@ -34,7 +34,8 @@ def test_corruption_found_after_lookup_hit_is_recomputed(tiny_model, tmp_path):
         {"prompts": [P]},
         {"before": "restart", "prompts": [OTHER]},   # new engine indexes the (still valid) files
         {"before": _corrupt_payloads(disk), "prompts": [P]},
-        {"prompts": [P]},   # the bad chunks are forgotten; P's blocks were re-saved from the recompute
+        # the bad chunks are forgotten; P's blocks were stored anew from the recompute
+        {"before": "reset_prefix_cache", "prompts": [P]},
     ]})
     after = reel["phases"][2][0]
     assert after["token_ids"] == cold["phases"][0][0]["token_ids"]
@@ -44,6 +45,7 @@ def test_corruption_found_after_lookup_hit_is_recomputed(tiny_model, tmp_path):
     assert m["vllm:kvreel_load_error_blocks_total"] == 18
     assert reel["log"].count("payload checksum mismatch") == 3     # logged once per chunk
     assert reel["phases"][3][0]["num_cached_tokens"] == 576
+    assert m["vllm:kvreel_lookup_hit_blocks_total|host"] >= 18
 
 
 def test_truncated_and_foreign_files_are_misses(tiny_model, tmp_path):

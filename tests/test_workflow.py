@@ -91,7 +91,7 @@ def step(sched, req_id, agent, wf=None):
     while (matched := sched.get_num_new_matched_tokens(request, 0)[0]) is None:   # a remote lookup in flight
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    sched.update_state_after_alloc(request, [10, 11, 12], matched)
+    sched.update_state_after_alloc(request, ([10, 11, 12],), matched)
     tiers = sched.planned_tokens_by_tier(req_id)
     new = SimpleNamespace(req_id=req_id, block_ids=([10, 11, 12],), num_computed_tokens=matched)
     meta = sched.build_connector_meta(scheduler_output(new, 2 * BS + 5 - matched))

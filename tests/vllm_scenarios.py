@@ -19,7 +19,7 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
              max_num_seqs: int = 16, max_model_len: int | None = None, connector: dict | None = None,
-             max_num_batched_tokens: int | None = None):
+             max_num_batched_tokens: int | None = None, disable_hybrid_kv_cache_manager: bool | None = None):
     """An engine with kvreel (``kvreel``: its extra config) or another connector
     (``connector``: a whole kv_transfer_config), or neither. With ``num_blocks``
     the model length defaults to what those blocks hold (a long session with its
@@ -37,6 +37,8 @@ def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, 
         max_model_len = min(4096, (num_blocks - 1) * block_size) if num_blocks else 4096
     if max_num_batched_tokens:
         kw["max_num_batched_tokens"] = max_num_batched_tokens
+    if disable_hybrid_kv_cache_manager is not None:
+        kw["disable_hybrid_kv_cache_manager"] = disable_hybrid_kv_cache_manager
     return LLM(model, enforce_eager=True, block_size=block_size, max_model_len=max_model_len,
                gpu_memory_utilization=0.05, max_num_seqs=max_num_seqs, seed=0,
                disable_log_stats=False, **kw)
@@ -82,6 +84,24 @@ def kvreel_metrics(llm) -> dict:
     return out
 
 
+def track_kv_bytes(llm) -> list[float]:
+    """Bytes of vLLM's paged KV cache in use after each scheduling step (vLLM's
+    usage times its one backing allocation; engine core in this process only:
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the list grows as the engine runs."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    allocation = scheduler.kv_cache_config.kv_cache_tensors[0].size
+    seen: list[float] = []
+    schedule = scheduler.schedule
+
+    def schedule_and_record(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        seen.append(scheduler.kv_cache_manager.usage * allocation)
+        return out
+
+    scheduler.schedule = schedule_and_record
+    return seen
+
+
 def kill_matching(program: str) -> None:
     """SIGKILL every process with ``program`` as one whole argument of its command
     line (``python -m program``; forked engine processes carry this script's
@@ -103,26 +123,34 @@ def kill_matching(program: str) -> None:
 
 
 def scenario(args: dict) -> dict:
-    """Run ``phases`` on one engine; each phase: prompts, optional reset/restart."""
+    """Run ``phases`` on one engine; each phase: prompts, after optional actions
+    (``before``: one or a list of reset_prefix_cache, restart, kill:PROGRAM, shell:COMMAND)."""
     model = args["model"]
     kvreel = args.get("kvreel")
     out = {"phases": []}
-    engine = {k: args[k] for k in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
-              if k in args}
+    engine = {k: args[k] for k in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                                   "disable_hybrid_kv_cache_manager") if k in args}
     llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
+    kv_bytes = track_kv_bytes(llm) if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None
     for phase in args["phases"]:
-        action = phase.get("before")
-        if action == "reset_prefix_cache":
-            assert llm.reset_prefix_cache()
-        elif action == "restart":
-            close(llm)
-            llm = make_llm(model, kvreel=kvreel, **engine)
-        elif action and action.startswith("kill:"):
-            kill_matching(action[len("kill:"):])
-        elif action and action.startswith("shell:"):
-            import subprocess
-            subprocess.run(action[len("shell:"):], shell=True, check=True)
+        before = phase.get("before") or []
+        for action in [before] if isinstance(before, str) else before:
+            if action == "reset_prefix_cache":
+                assert llm.reset_prefix_cache()
+            elif action == "restart":
+                close(llm)
+                llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
+                kv_bytes = track_kv_bytes(llm) if kv_bytes is not None else None
+            elif action.startswith("kill:"):
+                kill_matching(action[len("kill:"):])
+            elif action.startswith("shell:"):
+                import subprocess
+                subprocess.run(action[len("shell:"):], shell=True, check=True)
+        if kv_bytes is not None:
+            kv_bytes.clear()
         out["phases"].append(run(llm, phase["prompts"], phase.get("max_tokens", 8), phase.get("hints")))
+        if kv_bytes is not None:
+            out.setdefault("peak_kv_bytes", []).append(max(kv_bytes, default=0.0))
     out["metrics"] = kvreel_metrics(llm)
     close(llm)
     return out

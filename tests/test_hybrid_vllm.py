@@ -1,0 +1,92 @@
+"""Hybrid models (sliding-window and full-attention layers) with kvreel attached:
+vLLM's hybrid KV cache manager stays on, so sliding-window layers keep only
+their window, and kvreel stores and restores each KV cache group exactly.
+
+The engine core runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+every prompt of a phase is queued before the first step, so batches do not
+depend on when requests reach a separate engine process, and kvreel's outputs
+are compared with plain vLLM's bit for bit (with vLLM's engine in a process of
+its own, a second prompt may join one step later, which moves logprobs in
+their last bits, connector or not)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_scenario, tokens
+from test_integrity_vllm import _corrupt_payloads
+
+pytestmark = pytest.mark.vllm
+
+P, Q = tokens(700, 1), tokens(300, 2)
+LONG = tokens(1500, 3)
+ENGINE = {"num_blocks": 200, "max_model_len": 2048, "max_num_batched_tokens": 128,      # chunked prefill
+          "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+HMA_OFF = "Hybrid KV cache manager is disabled"
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory) -> str:
+    """A Gemma-3-style model: two sliding-window (64 tokens) and two full-attention layers."""
+    from kvreel.connector.tiny_model import build_tiny_gemma3
+    return str(build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")))
+
+
+def test_hybrid_model_keeps_its_window_and_reuses_exactly(hybrid_model, tmp_path):
+    """A hybrid model's loads are asynchronous (vLLM maps their failures by
+    request), so a reused prompt runs alone in its phase: its batch is then
+    what it is in plain vLLM, whenever its load completes."""
+    disk = str(tmp_path / "disk")
+    base = run_scenario({"model": hybrid_model, **ENGINE, "phases": [
+        {"prompts": [P, Q], "max_tokens": 16},
+        {"prompts": [P]},                                          # from vLLM's own prefix cache
+        {"before": "reset_prefix_cache", "prompts": [P]},          # computed
+        {"prompts": [LONG]}]})
+    off = run_scenario({"model": hybrid_model, **ENGINE, "disable_hybrid_kv_cache_manager": True,
+                        "phases": [{"prompts": [LONG]}]})
+    reel = run_scenario({"model": hybrid_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": disk}, **ENGINE,
+                         "phases": [
+        {"prompts": [P, Q], "max_tokens": 16},
+        {"before": "reset_prefix_cache", "prompts": [P]},                    # from kvreel's host tier
+        {"before": "restart", "prompts": [P]},                               # from kvreel's disk tier
+        {"before": [_corrupt_payloads(disk), "restart"], "prompts": [P]},    # its chunks are damaged
+        {"before": "reset_prefix_cache", "prompts": [P]},                    # stored anew from the recompute
+        {"prompts": [LONG]}]})
+    assert HMA_OFF not in reel["log"]
+    assert reel["phases"][0] == base["phases"][0]
+    for phase in (1, 2, 4):                  # reused from host memory, from disk, again: bit for bit
+        assert reel["phases"][phase] == base["phases"][1]
+        assert reel["phases"][phase][0]["num_cached_tokens"] == 672
+    # damaged chunks: the request is recomputed whole (vLLM maps a hybrid model's failed
+    # loads by request), counted and logged, never a wrong token
+    assert reel["phases"][3] == base["phases"][2]
+    m = reel["metrics"]
+    assert m["vllm:kvreel_corrupt_chunks_total|disk"] >= 1
+    assert m["vllm:kvreel_load_error_blocks_total"] >= 8
+    assert "payload checksum mismatch" in reel["log"]
+    # sliding-window layers held only their window: the KV bytes vLLM holds at the peak are what they
+    # are without kvreel (with the hybrid manager off, as vLLM turns it off for connectors without
+    # HMA, every layer keeps every block)
+    assert reel["peak_kv_bytes"][-1] == base["peak_kv_bytes"][-1] > 0
+    assert off["peak_kv_bytes"][0] > 1.5 * base["peak_kv_bytes"][-1]
+
+
+def test_a_model_with_recurrent_state_is_refused_at_startup():
+    """kvreel does not save a Mamba layer's state: such a model is refused with the reason."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, \
+        MambaSpec
+
+    from kvreel.connector.kvreel_connector import check_kv_cache_groups
+    attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16, torch.bfloat16))
+    config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[
+        KVCacheTensor(size=10 * attn.page_size_bytes, layers=["a0"], layer_stride=10 * attn.page_size_bytes,
+                      block_stride=attn.page_size_bytes)],
+        kv_cache_groups=[KVCacheGroupSpec(["a0"], attn), KVCacheGroupSpec(["m0"], mamba)])
+    with pytest.raises(ValueError, match="holds state it does not save"):
+        check_kv_cache_groups(config, retrieval=False)
+    with pytest.raises(ValueError, match="KVREEL_RETRIEVAL needs a model whose layers share one"):
+        check_kv_cache_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=config.kv_cache_tensors,
+                                            kv_cache_groups=[KVCacheGroupSpec(["a0"], attn),
+                                                             KVCacheGroupSpec(["a1"], attn)]), retrieval=True)
