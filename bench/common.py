@@ -108,15 +108,11 @@ def in_process_dre():
     """The DRE service's request handler in this process, as a function
     ``call(op, **fields)`` taking and returning tensors (what the worker's
     client sends and gets over the socket)."""
-    import torch
-
-    from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
+    from kvreel.connector.retrieval.dre_service import DREService
     service = DREService()
 
     def call(op: str, **fields):
-        reply = service.handle({"op": op, **{k: put_tensor(v) if isinstance(v, torch.Tensor) else v
-                                             for k, v in fields.items()}})
-        return {k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v for k, v in reply.items()}
+        return service.handle({"op": op, **fields})
     return call
 
 

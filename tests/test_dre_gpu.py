@@ -1,25 +1,22 @@
-"""The DRE's torch path on a GPU (GPU machine): tables and WiCSum scoring on
-CUDA answer as the CPU service does, for a clustered and an extended table."""
+"""The DRE's torch path on a GPU (GPU machine): tables and scoring on CUDA
+answer as the CPU service does, for a clustered and then extended table."""
 
 import pytest
 import torch
 
-from kvreel.connector.retrieval.dre_service import DREService, put_tensor, take_tensor
+from kvreel.connector.retrieval.dre_service import DREService
 
 pytestmark = pytest.mark.gpu
 
 
 def _ask(service: DREService, keys: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    service.handle({"op": "cluster", "handle": "a", "keys": put_tensor(keys[:, :448])})
-    service.handle({"op": "extend", "handle": "b", "base": "a", "keys": put_tensor(keys[:, 448:])})
-    tokens = take_tensor(service.handle({"op": "select", "handle": "b", "queries": put_tensor(queries),
-                                         "alpha": 0.9, "per_frame": True})["tokens"])
-    pages = take_tensor(service.handle({"op": "select", "handle": "b", "queries": put_tensor(queries),
-                                        "alpha": 0.9, "per_frame": True, "block": 32})["tokens"])
-    return tokens, pages
+    service.handle({"op": "cluster", "handle": "a", "keys": keys[:, :448]})
+    labels = service.handle({"op": "extend", "handle": "a", "keys": keys[:, 448:]})["labels"]
+    mass = service.handle({"op": "mass", "handle": "a", "queries": queries, "alpha": 0.9})["mass"]
+    return labels.cpu(), mass.cpu()
 
 
-def test_cuda_service_selects_what_the_cpu_service_selects():
+def test_cuda_service_predicts_what_the_cpu_service_predicts():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator().manual_seed(0)
@@ -27,8 +24,7 @@ def test_cuda_service_selects_what_the_cpu_service_selects():
     keys = torch.gather(centres, 1, torch.randint(0, 16, (2, 640, 1), generator=g).expand(2, 640, 64))
     keys = keys + 0.5 * torch.randn(2, 640, 64, generator=g)
     queries = keys[:, :96] + 0.3 * torch.randn(2, 96, 64, generator=g)
-    on_cpu = _ask(DREService(device="cpu"), keys, queries)
-    on_gpu = _ask(DREService(device="cuda"), keys, queries)
-    for cpu, gpu in zip(on_cpu, on_gpu):
-        assert 0 < len(cpu) < 640
-        assert torch.equal(cpu, gpu)
+    cpu_labels, cpu_mass = _ask(DREService(device="cpu"), keys, queries)
+    gpu_labels, gpu_mass = _ask(DREService(device="cuda"), keys, queries)
+    assert torch.equal(cpu_labels, gpu_labels)
+    assert cpu_mass.shape == (2, 640) and torch.allclose(cpu_mass, gpu_mass, rtol=1e-4, atol=1e-6)

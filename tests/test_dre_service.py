@@ -1,5 +1,6 @@
 """The DRE service in its own process: same answers as in-process ReSV, shared
-memory and JSON only, batching, shared-secret auth, death and restart."""
+memory (or inline tensors across IPC namespaces) and JSON only, batching,
+shared-secret auth, death and restart."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_bad_requests_get_clear_errors_and_do_not_stop_the_service(dre, tmp_path
         client.submit("unpickle").result(10)
     raw = socket.socket(socket.AF_UNIX)            # a peer that sends an oversized header
     raw.connect(str(tmp_path / "dre.sock"))
-    raw.sendall((1 << 30).to_bytes(4, "little"))
+    raw.sendall((1 << 30).to_bytes(4, "little") + bytes(4))
     raw.close()
     assert client.submit("ping").result(10)["ok"]
 
@@ -147,6 +148,38 @@ def test_kvreel_dre_over_tcp_binds_loopback_by_default():
         proc.wait(timeout=30)
 
 
+def test_a_service_in_another_ipc_namespace_gets_tensors_inline(dre):
+    """A DRE in a container of its own cannot open the worker's shared memory:
+    tensors then travel inline on the socket, both ways, with the same answers."""
+    import glob
+    import subprocess
+    import sys
+    _, local = dre
+    assert not local.inline                       # same namespace: shared memory
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["unshare", "--ipc", sys.executable, "-m", "kvreel.connector.cli", "dre",
+                             "--address", f"127.0.0.1:{port}", "--bits", "12", "--hamming", "1"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in proc.stdout.readline()
+        client = DREClient(f"127.0.0.1:{port}")
+        assert client.inline
+        keys, queries = data()
+        before = set(glob.glob("/dev/shm/kvreel-dre-*"))
+        reply = client.submit("cluster", handle="x", keys=keys).result(10)
+        cl, mass = expected_mass(keys, queries)
+        assert torch.equal(reply["labels"], cl.labels.unsqueeze(0))
+        got = client.submit("mass", handle="x", queries=queries).result(10)["mass"]
+        assert torch.allclose(got[0], mass)
+        assert set(glob.glob("/dev/shm/kvreel-dre-*")) == before      # nothing went through shared memory
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_shared_memory_descriptors_are_checked():
     desc = put_tensor(torch.arange(10))
     assert torch.equal(take_tensor(desc), torch.arange(10))
@@ -157,6 +190,8 @@ def test_shared_memory_descriptors_are_checked():
         take_tensor({**bad, "shape": [1 << 20]})
     with pytest.raises(DREError, match="bad tensor descriptor"):
         take_tensor({**bad, "dtype": "object"})
+    with pytest.raises(DREError, match="inline tensor outside its frame"):
+        take_tensor({"at": 4, "shape": [2], "dtype": "float32"}, bytes(8))
 
 
 def test_mosaic_tables_predict_what_the_index_scores_in_process(dre):

@@ -2,10 +2,14 @@
 asynchronous co-processor service in its own process.
 
 Wire: a Unix-domain socket (or TCP on 127.0.0.1 unless told otherwise) carrying
-length-prefixed JSON messages; tensors never travel in them: the sender writes
-them into a POSIX shared-memory segment and names it, the receiver copies them
-out. Nothing is pickled. With a shared secret, a connection must first prove it
-(HMAC of a server nonce) before any request is served.
+length-prefixed frames: a JSON message and the raw bytes of its tensors. When
+both ends share an IPC namespace (same host, same container), a tensor goes
+through a POSIX shared-memory segment the sender names and the receiver copies
+out and unlinks; otherwise (the DRE in a container of its own, or on another
+host) it travels inline, after the JSON. The client compares its namespace
+with the one the service announces and asks for replies the same way. Nothing
+is pickled. With a shared secret, a connection must first prove it (HMAC of a
+server nonce) before any request is served.
 
 Requests (each answered once, in any order, matched by ``id``), one table per
 ``handle`` (a request's layer, all its KV heads):
@@ -57,8 +61,8 @@ from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_sco
                                              hyperplanes, wicsum_bucketed)
 
 logger = logging.getLogger(__name__)
-_LEN = struct.Struct("<I")
-MAX_MESSAGE = 1 << 20            # JSON headers only; tensors go through shared memory
+_FRAME = struct.Struct("<II")    # JSON bytes, inline tensor bytes
+MAX_MESSAGE = 1 << 20            # the JSON part; tensors travel beside it
 MAX_TENSOR_BYTES = 1 << 30
 # ReSV hash bits (centred keys). More bits make smaller clusters, so the slabs a
 # selection fetches hold fewer unwanted tokens, for a larger table to score; 16
@@ -92,12 +96,19 @@ def put_tensor(t: torch.Tensor) -> dict:
     return desc
 
 
-def take_tensor(desc: dict) -> torch.Tensor:
-    """Copy a tensor out of the named segment and unlink it. Only segments
-    named as ``put_tensor`` names them are opened: a peer must not make this
-    process read or delete anyone else's shared memory (vLLM's included)."""
-    if not _SHM_NAME.match(str(desc.get("shm"))):
-        raise DREError(f"refused shared-memory segment {str(desc.get('shm'))[:80]!r}: not one kvreel created")
+def inline_tensor(t: torch.Tensor, blob: bytearray) -> dict:
+    """Append a tensor's bytes to a frame's inline part; its descriptor."""
+    arr = t.detach().cpu().contiguous().numpy()
+    desc = {"at": len(blob), "shape": list(arr.shape), "dtype": arr.dtype.name}
+    blob += arr.tobytes()
+    return desc
+
+
+def take_tensor(desc: dict, blob: bytes = b"") -> torch.Tensor:
+    """A tensor a peer sent: copied out of the frame's inline bytes, or out of
+    the named segment (then unlinked). Only segments named as ``put_tensor``
+    names them are opened: a peer must not make this process read or delete
+    anyone else's shared memory (vLLM's included)."""
     dtype = DTYPES.get(str(desc.get("dtype")))
     shape = [int(x) for x in desc.get("shape", [])]
     if dtype is None or any(x < 0 for x in shape):
@@ -105,6 +116,14 @@ def take_tensor(desc: dict) -> torch.Tensor:
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if nbytes > MAX_TENSOR_BYTES:
         raise DREError(f"tensor of {nbytes} bytes exceeds the {MAX_TENSOR_BYTES}-byte limit")
+    if "at" in desc:
+        at = int(desc["at"])
+        if at < 0 or at + nbytes > len(blob):
+            raise DREError("inline tensor outside its frame")
+        return torch.from_numpy(np.frombuffer(blob, dtype, count=nbytes // np.dtype(dtype).itemsize,
+                                              offset=at).reshape(shape).copy())
+    if not _SHM_NAME.match(str(desc.get("shm"))):
+        raise DREError(f"refused shared-memory segment {str(desc.get('shm'))[:80]!r}: not one kvreel created")
     shm = shared_memory.SharedMemory(name=str(desc["shm"]))
     try:
         if shm.size < nbytes:
@@ -116,11 +135,34 @@ def take_tensor(desc: dict) -> torch.Tensor:
     return out
 
 
+def ipc_namespace() -> str | None:
+    """This process's IPC namespace (with the host's boot id): shared-memory
+    segments reach exactly the processes that report the same."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/ipc')}"
+    except OSError:
+        return None
+
+
+def encode_tensors(msg: dict, inline: bool) -> tuple[dict, bytes]:
+    """A message's tensors as shared-memory descriptors, or inline after its JSON."""
+    blob = bytearray()
+    out = {k: (inline_tensor(v, blob) if inline else put_tensor(v)) if isinstance(v, torch.Tensor) else v
+           for k, v in msg.items()}
+    return out, bytes(blob)
+
+
+def decode_tensors(msg: dict, blob: bytes) -> dict:
+    return {k: take_tensor(v, blob) if isinstance(v, dict) and ("shm" in v or "at" in v) else v
+            for k, v in msg.items()}
+
+
 # -- framing -------------------------------------------------------------------
 
-def send_msg(sock: socket.socket, msg: dict) -> None:
+def send_msg(sock: socket.socket, msg: dict, blob: bytes = b"") -> None:
     raw = json.dumps(msg, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
+    sock.sendall(_FRAME.pack(len(raw), len(blob)) + raw + blob)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -133,14 +175,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def recv_msg(sock: socket.socket, max_blob: int = MAX_TENSOR_BYTES) -> tuple[dict, bytes]:
+    """A message and its inline tensor bytes (at most ``max_blob`` of them)."""
+    n, nblob = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
     if n > MAX_MESSAGE:
         raise DREError(f"message of {n} bytes exceeds the {MAX_MESSAGE}-byte limit")
+    if nblob > max_blob:
+        raise DREError(f"{nblob} inline bytes exceed the {max_blob}-byte limit")
     msg = json.loads(_recv_exact(sock, n))
     if not isinstance(msg, dict):
         raise DREError("message is not a JSON object")
-    return msg
+    return msg, _recv_exact(sock, nblob) if nblob else b""
 
 
 def _proof(secret: bytes, nonce: str) -> str:
@@ -158,6 +203,7 @@ class DREService:
         self._planes: dict[int, torch.Tensor] = {}
 
     def handle(self, msg: dict) -> dict:
+        """One request, its tensors already received; the reply, with tensors."""
         op = msg.get("op")
         if op == "ping":
             return {"ok": True}
@@ -187,10 +233,10 @@ class DREService:
             n_tokens = first + keys.shape[1]
             self.tables[handle] = (tables, n_tokens)
             labels = torch.stack([_owners(t, n_tokens)[first:] for t in tables])
-            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables), "labels": put_tensor(labels)}
+            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables), "labels": labels}
         if op == "mass":
             tables, n_tokens = self._table(str(msg.get("handle")))
-            queries = take_tensor(msg["queries"]).to(self.device, torch.float32)
+            queries = _tensor(msg, "queries").to(self.device, torch.float32)
             queries = queries.unsqueeze(0) if queries.dim() == 2 else queries
             if queries.dim() != 3 or queries.shape[0] != len(tables):
                 raise DREError(f"mass wants queries [{len(tables)} heads, R, D], got {tuple(queries.shape)}")
@@ -202,9 +248,9 @@ class DREService:
                 if isinstance(table, MosaicSession) and alpha < 1:
                     relabelled |= _split_fetched(table, mass, owner, alpha)
                 masses.append(mass)
-            reply = {"ok": True, "mass": put_tensor(torch.stack(masses))}
+            reply = {"ok": True, "mass": torch.stack(masses)}
             if relabelled:
-                reply["labels"] = put_tensor(torch.stack([_owners(t, n_tokens) for t in tables]))
+                reply["labels"] = torch.stack([_owners(t, n_tokens) for t in tables])
             return reply
         raise DREError(f"unknown op {str(op)[:40]!r}")
 
@@ -247,17 +293,17 @@ class DREService:
                     authed[conn] = nonce
                     sel.register(conn, selectors.EVENT_READ)
                     try:
-                        send_msg(conn, {"hello": "kvreel-dre", "nonce": nonce})
+                        send_msg(conn, {"hello": "kvreel-dre", "nonce": nonce, "ipc": ipc_namespace()})
                     except OSError:
                         drop(conn)
                     continue
                 conn = key.fileobj
-                try:
-                    msg = recv_msg(conn)
+                nonce = authed.get(conn)
+                try:               # nothing but a JSON proof before the secret is proven
+                    msg, blob = recv_msg(conn, max_blob=0 if nonce is not None else MAX_TENSOR_BYTES)
                 except (OSError, DREError, ValueError):       # closed, oversized or not JSON
                     drop(conn)
                     continue
-                nonce = authed.get(conn)
                 if nonce is not None:          # the first message must prove the secret
                     ok = msg.get("op") == "auth" and hmac.compare_digest(str(msg.get("proof", "")),
                                                                          _proof(self.secret, nonce))
@@ -271,21 +317,28 @@ class DREService:
                     else:
                         drop(conn)
                     continue
-                batch.append((conn, msg))
-            for conn, msg in batch:            # everything that arrived together, served together
+                batch.append((conn, msg, blob))
+            for conn, msg, blob in batch:      # everything that arrived together, served together
                 try:
-                    reply = self.handle(msg)
+                    reply, out = encode_tensors(self.handle(decode_tensors(msg, blob)), bool(msg.get("inline")))
                 except (DREError, KeyError, ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
-                    reply = {"ok": False, "error": str(e)[:500]}
+                    reply, out = {"ok": False, "error": str(e)[:500]}, b""
                 reply["id"] = msg.get("id")
                 try:
-                    send_msg(conn, reply)
+                    send_msg(conn, reply, out)
                 except OSError:
                     pass
 
 
+def _tensor(msg: dict, name: str) -> torch.Tensor:
+    value = msg.get(name)
+    if not isinstance(value, torch.Tensor):
+        raise DREError(f"{name} must be a tensor")
+    return value
+
+
 def _head_keys(msg: dict) -> torch.Tensor:
-    keys = take_tensor(msg["keys"]).float()
+    keys = _tensor(msg, "keys").float()
     keys = keys.unsqueeze(0) if keys.dim() == 2 else keys
     if keys.dim() != 3:
         raise DREError(f"{msg.get('op')} wants keys [T, D] or [heads, T, D], got {tuple(keys.shape)}")
@@ -374,21 +427,22 @@ class DREClient:
         self._pending: dict[int, Future] = {}
         self._next = 0
         self.alive = True
-        hello = recv_msg(self.sock)
+        hello, _ = recv_msg(self.sock)
         if hello.get("nonce"):
             if secret is None:
                 raise DREError("the DRE service requires a shared secret")
             send_msg(self.sock, {"op": "auth", "id": -1, "proof": _proof(secret, hello["nonce"])})
-            if not recv_msg(self.sock).get("ok"):
+            if not recv_msg(self.sock)[0].get("ok"):
                 raise DREError("the DRE service refused the shared secret")
+        here = ipc_namespace()
+        # shared memory only reaches a service in this IPC namespace; anywhere else tensors go inline
+        self.inline = here is None or hello.get("ipc") != here
         self._reader = threading.Thread(target=self._read, name="kvreel-dre-client", daemon=True)
         self._reader.start()
 
     def submit(self, op: str, **fields) -> Future:
         fut: Future = Future()
-        msg = {"op": op}
-        for k, v in fields.items():
-            msg[k] = put_tensor(v) if isinstance(v, torch.Tensor) else v
+        msg, blob = encode_tensors({"op": op, **fields, "inline": self.inline}, self.inline)
         with self._lock:
             if not self.alive:
                 fut.set_exception(DREError("the DRE service is gone"))
@@ -397,7 +451,7 @@ class DREClient:
             self._pending[self._next] = fut
             self._next += 1
             try:
-                send_msg(self.sock, msg)
+                send_msg(self.sock, msg, blob)
             except OSError as e:
                 self._pending.pop(msg["id"], None)
                 fut.set_exception(DREError(f"the DRE service is unreachable: {e}"))
@@ -406,7 +460,7 @@ class DREClient:
     def _read(self) -> None:
         try:
             while True:
-                reply = recv_msg(self.sock)
+                reply, blob = recv_msg(self.sock)
                 with self._lock:
                     fut = self._pending.pop(reply.get("id"), None)
                 if fut is None:
@@ -414,8 +468,7 @@ class DREClient:
                 if not reply.get("ok"):
                     fut.set_exception(DREError(reply.get("error", "request failed")))
                     continue
-                fut.set_result({k: take_tensor(v) if isinstance(v, dict) and "shm" in v else v
-                                for k, v in reply.items()})
+                fut.set_result(decode_tensors(reply, blob))
         except (ConnectionError, OSError, DREError, ValueError):
             pass
         with self._lock:
