@@ -91,7 +91,7 @@ def model_identity(fields: dict) -> str:
 COPIED_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
 
 
-def check_kv_cache_groups(kv_cache_config: "KVCacheConfig", retrieval: bool) -> int:
+def check_kv_cache_groups(kv_cache_config: "KVCacheConfig", cfg: KVReelConfig) -> int:
     """The block size of the model's KV cache groups, once kvreel knows it can
     serve them exactly; a model it cannot is refused here, at start-up, with
     the reason (a prefix restored without some of its state gives wrong tokens)."""
@@ -117,9 +117,14 @@ def check_kv_cache_groups(kv_cache_config: "KVCacheConfig", retrieval: bool) -> 
         sizes.add(spec.block_size)
     if len(sizes) > 1:
         raise ValueError(f"kvreel needs one block size for all KV cache groups (this model has {sorted(sizes)})")
-    if retrieval and len(groups) > 1:
+    if len(groups) > 1 and cfg.retrieval != "off":
         raise ValueError(f"KVREEL_RETRIEVAL needs a model whose layers share one full-attention KV cache group "
                          f"(this one has {len(groups)}): set KVREEL_RETRIEVAL=off")
+    if len(groups) > 1 and cfg.fetch_mode == "blocking":
+        # a load inside the forward pass can only report failed block ids, which vLLM cannot
+        # map back to requests with several groups
+        raise ValueError(f"KVREEL_FETCH_MODE=blocking needs a model with one KV cache group "
+                         f"(this one has {len(groups)}): set KVREEL_FETCH_MODE=async")
     block_size = sizes.pop()
     if kv_cache_config.hash_block_size not in (None, block_size):
         raise ValueError(f"kvreel needs hash_block_size == block_size ({kv_cache_config.hash_block_size} "
@@ -153,7 +158,7 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("kvreel keys chunks by vLLM's prefix-cache block hashes: "
                              "start vLLM with prefix caching enabled (the default)")
-        block_size = check_kv_cache_groups(kv_cache_config, self.cfg.retrieval != "off")
+        block_size = check_kv_cache_groups(kv_cache_config, self.cfg)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A failed or damaged load must cost a recompute, never the request.
             logger.info("kvreel: setting kv_load_failure_policy='recompute'")

@@ -3,9 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# The remote-store tests use a real Redis on loopback (Debian's redis-server).
-if ! command -v redis-server >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) || echo "could not install redis-server"
+# Test tools from Debian (as root): the remote-store tests use a real Redis on
+# loopback; the deploy test builds the images on a base made with mmdebstrap and
+# runs the compose stack (Docker engine and docker-compose).
+need=()
+for tool in redis-server:redis-server dockerd:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap; do
+  command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
+done
+if ((${#need[@]})) && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
+    || echo "could not install ${need[*]}"
 fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 . .venv/bin/activate

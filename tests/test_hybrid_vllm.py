@@ -77,6 +77,7 @@ def test_a_model_with_recurrent_state_is_refused_at_startup():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, \
         MambaSpec
 
+    from kvreel.connector.config import KVReelConfig
     from kvreel.connector.kvreel_connector import check_kv_cache_groups
     attn = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     mamba = MambaSpec(block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16, torch.bfloat16))
@@ -85,8 +86,11 @@ def test_a_model_with_recurrent_state_is_refused_at_startup():
                       block_stride=attn.page_size_bytes)],
         kv_cache_groups=[KVCacheGroupSpec(["a0"], attn), KVCacheGroupSpec(["m0"], mamba)])
     with pytest.raises(ValueError, match="holds state it does not save"):
-        check_kv_cache_groups(config, retrieval=False)
+        check_kv_cache_groups(config, KVReelConfig.load(env={}))
+    two = KVCacheConfig(num_blocks=10, kv_cache_tensors=config.kv_cache_tensors,
+                        kv_cache_groups=[KVCacheGroupSpec(["a0"], attn), KVCacheGroupSpec(["a1"], attn)])
+    assert check_kv_cache_groups(two, KVReelConfig.load(env={})) == 32
     with pytest.raises(ValueError, match="KVREEL_RETRIEVAL needs a model whose layers share one"):
-        check_kv_cache_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=config.kv_cache_tensors,
-                                            kv_cache_groups=[KVCacheGroupSpec(["a0"], attn),
-                                                             KVCacheGroupSpec(["a1"], attn)]), retrieval=True)
+        check_kv_cache_groups(two, KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv"}))
+    with pytest.raises(ValueError, match="KVREEL_FETCH_MODE=blocking needs a model with one KV cache group"):
+        check_kv_cache_groups(two, KVReelConfig.load(env={"KVREEL_FETCH_MODE": "blocking"}))

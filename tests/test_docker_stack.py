@@ -1,0 +1,177 @@
+"""deploy/ for real: the CPU image and the store image built on a local Debian 12
+base, the compose stack (vLLM + kvreel, Redis from Debian's package, the DRE in
+a container of its own) brought up, asked through its published loopback port,
+and taken down.
+
+No registry is needed: the base is made with mmdebstrap from the machine's own
+apt sources and ``docker import``ed; apt inside the build uses the same mirror
+(host networking), and pip the index, wheel folder and CA bundle this machine's
+pip is configured with, served to the build over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, tokens
+from kvreel.connector.cli import _http
+from kvreel.connector.stats import read_counters
+
+pytestmark = pytest.mark.docker
+
+ROOT = Path(__file__).parents[1]
+BASE_IMAGE = "kvreel-local-base:bookworm"
+PROJECT = "kvreeltest"
+
+
+def sh(*cmd, env=None, timeout=1800) -> str:
+    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def docker_engine(tmp_path_factory):
+    """A running Docker engine; started here (as root) when none is."""
+    for tool in ("docker", "docker-compose", "mmdebstrap"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed (Debian packages docker.io, docker-compose, mmdebstrap; "
+                        "deploy/setup.sh installs them as root)")
+    started = None
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        if os.geteuid() != 0:
+            pytest.fail("no Docker engine is running, and starting one needs root")
+        log = (tmp_path_factory.mktemp("dockerd") / "dockerd.log").open("w")
+        started = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+            assert started.poll() is None and time.monotonic() < deadline, f"dockerd did not start; see {log.name}"
+            time.sleep(1)
+    yield
+    if started is not None:
+        started.terminate()
+        started.wait(timeout=60)
+
+
+def local_base(tmp: Path) -> str:
+    """Debian 12 made with mmdebstrap (the machine's apt sources), imported once."""
+    if subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode != 0:
+        tar = tmp / "bookworm.tar"
+        sh("mmdebstrap", "--variant=minbase", "--include=ca-certificates", "bookworm", tar, timeout=900)
+        sh("docker", "import", tar, BASE_IMAGE)
+    return BASE_IMAGE
+
+
+def pip_sources() -> dict[str, str]:
+    """What this machine's pip is configured with: index, wheel folders, CA bundle."""
+    out: dict[str, str] = {}
+    for line in sh(sys.executable, "-m", "pip", "config", "list").splitlines():
+        key, _, value = line.partition("=")
+        out.setdefault(key.rpartition(".")[2], value.strip("'\""))
+    return out
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def serve_build_inputs(tmp: Path) -> tuple[dict[str, str], ThreadingHTTPServer]:
+    """Build arguments for the images (as compose reads them from the environment),
+    and a loopback HTTP server for the files they name."""
+    pip = pip_sources()
+    root = tmp / "build-inputs"
+    root.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()),
+                                 partial(QuietHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    args = {"BASE_IMAGE": local_base(tmp)}
+    if "index-url" in pip:
+        args["BUILD_PIP_INDEX_URL"] = pip["index-url"]
+    wheels = pip.get("find-links", "").split()
+    if wheels and Path(wheels[0]).is_dir():
+        (root / "wheels").symlink_to(wheels[0])
+        args["BUILD_PIP_FIND_LINKS"] = f"{url}/wheels/"
+        if list(Path(wheels[0]).glob("torch-2.13.0*.whl")):
+            args["BUILD_TORCH_INDEX_URL"] = ""    # the CPU torch wheel is in the folder
+    if pip.get("cert") and Path(pip["cert"]).is_file():
+        (root / "ca.pem").symlink_to(pip["cert"])
+        args["BUILD_PIP_CERT_URL"] = f"{url}/ca.pem"
+    return args, server
+
+
+def readable_copy(model: str, tmp: Path) -> Path:
+    """The model where the image's unprivileged user can read it (pytest's folders are private)."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    shutil.copytree(model, out / "model")
+    for path in [out, *out.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return out / "model"
+
+
+def completion(base: str, prompt: list[int], max_tokens: int) -> dict:
+    _, body = _http(base + "/v1/completions", {"model": "/models/model", "prompt": prompt,
+                                               "max_tokens": max_tokens, "temperature": 0})
+    return json.loads(body)
+
+
+def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp_path):
+    args, server = serve_build_inputs(tmp_path)
+    port = free_port()
+    env = {**os.environ, **args, "KVREEL_IMAGE_TAG": "test", "KVREEL_PORT": str(port),
+           "MODEL_DIR": str(readable_copy(tiny_model, tmp_path)),
+           "STORE_PASSWORD": secrets.token_hex(16), "DRE_SECRET_HEX": secrets.token_hex(16),
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "KVREEL_CPU_BYTES": "256MiB",
+           # retrieval for prompts past 512 tokens, predicted by the DRE's container
+           "KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "512", "KVREEL_RETRIEVAL_WINDOW": "64",
+           "KVREEL_RETRIEVAL_BUDGET_TOKENS": "256", "KVREEL_RETRIEVAL_DEADLINE_MS": "2000"}
+    compose = ["docker-compose", "-f", ROOT / "deploy" / "compose.yaml", "-p", PROJECT]
+    try:
+        sh(*compose, "build", env=env, timeout=2400)
+    finally:
+        server.shutdown()
+    try:
+        sh(*compose, "up", "-d", env=env, timeout=600)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vLLM in the stack did not become healthy"
+                time.sleep(3)
+        prompt = tokens(600, 11)
+        completion(base, prompt, 4)
+        _http(base + "/reset_prefix_cache", {})
+        again = completion(base, prompt, 4)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512     # from kvreel, not vLLM
+        completion(base, tokens(900, 12), 16)                                      # past the threshold
+        counters = read_counters(base, ("lookup_hit_blocks", "saved_bytes", "retrieval_steps"))
+        assert counters["lookup_hit_blocks_total|host"] >= 16
+        assert counters["saved_bytes_total|remote"] > 0                           # uploaded to the store
+        # the DRE, in a container of its own (another IPC namespace), selected what was attended to
+        assert counters["retrieval_steps_total|selected"] > 0
+        assert counters["retrieval_steps_total|dre_down"] == 0
+    except BaseException:
+        print(subprocess.run([*map(str, compose), "logs", "--no-color", "--tail", "80"], env=env,
+                             capture_output=True, text=True).stdout)
+        raise
+    finally:
+        subprocess.run([*map(str, compose), "down", "-v"], env=env, capture_output=True, timeout=300)
