@@ -35,6 +35,7 @@ pytestmark = pytest.mark.docker
 ROOT = Path(__file__).parents[1]
 BASE_IMAGE = "kvreel-local-base:bookworm"
 PROJECT = "kvreeltest"
+BUILD_INPUTS_PORT = 47651
 
 
 def sh(*cmd, env=None, timeout=1800) -> str:
@@ -97,8 +98,11 @@ def serve_build_inputs(tmp: Path) -> tuple[dict[str, str], ThreadingHTTPServer]:
     pip = pip_sources()
     root = tmp / "build-inputs"
     root.mkdir()
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()),
-                                 partial(QuietHandler, directory=str(root)))
+    handler = partial(QuietHandler, directory=str(root))
+    try:        # the same URLs in the build arguments keep Docker's build cache valid across runs
+        server = ThreadingHTTPServer(("127.0.0.1", BUILD_INPUTS_PORT), handler)
+    except OSError:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     args = {"BASE_IMAGE": local_base(tmp)}
@@ -131,6 +135,7 @@ def completion(base: str, prompt: list[int], max_tokens: int) -> dict:
     return json.loads(body)
 
 
+@pytest.mark.timeout(2700)          # a fresh machine builds the images from scratch
 def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp_path):
     args, server = serve_build_inputs(tmp_path)
     port = free_port()

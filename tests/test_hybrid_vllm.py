@@ -94,3 +94,37 @@ def test_a_model_with_recurrent_state_is_refused_at_startup():
         check_kv_cache_groups(two, KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv"}))
     with pytest.raises(ValueError, match="KVREEL_FETCH_MODE=blocking needs a model with one KV cache group"):
         check_kv_cache_groups(two, KVReelConfig.load(env={"KVREEL_FETCH_MODE": "blocking"}))
+
+
+def test_pages_of_overlaid_groups_are_copied_with_their_own_block_ids():
+    """vLLM's hybrid manager overlays the groups' tensors on the same bytes: a
+    region is one layer of one group, addressed by that group's block ids, and
+    a sliding-window group's NULL_BLOCK positions are neither read nor written."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, \
+        SlidingWindowSpec
+
+    from kvreel.connector.block_copy import NULL_BLOCK, PagedRegions, layout_of
+    blocks, page = 8, 16
+    buf = torch.arange(2 * blocks * page, dtype=torch.int16).to(torch.int8)
+    tensors = [KVCacheTensor(size=buf.numel(), layers=names, layer_stride=blocks * page, block_stride=page)
+               for names in (["s0", "s1"], ["f0", "f1"])]
+    kw = dict(block_size=32, num_kv_heads=1, head_size=4, dtype=torch.bfloat16)
+    config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=tensors, kv_cache_groups=[
+        KVCacheGroupSpec(["s0", "s1"], SlidingWindowSpec(**kw, sliding_window=64)),
+        KVCacheGroupSpec(["f0", "f1"], FullAttentionSpec(**kw))])
+    layer = {name: buf[i * blocks * page:(i + 1) * blocks * page].view(blocks, page)
+             for names in (["s0", "s1"], ["f0", "f1"]) for i, name in enumerate(names)}
+    pages = PagedRegions(layer, config)
+    assert layout_of(config) == (4, page) and pages.group_of == [0, 0, 1, 1]
+    host = pages.gather(([1, 2], [5, 6]))
+    for r, (name, ids) in enumerate((("s0", [1, 2]), ("s1", [1, 2]), ("f0", [5, 6]), ("f1", [5, 6]))):
+        assert torch.equal(host[r].view(torch.int8), layer[name][ids])
+    before = buf.clone()
+    pages.scatter(host, ([NULL_BLOCK, 3], [4, 7]))
+    assert torch.equal(layer["s0"][3], host[0, 1].view(torch.int8))
+    assert torch.equal(layer["f1"][4], host[3, 0].view(torch.int8)) and torch.equal(layer["f1"][7], host[3, 1].view(torch.int8))
+    changed = {(i // page) % blocks for i in torch.nonzero(buf != before).flatten().tolist()}
+    assert changed <= {3, 4, 7}                   # the null block and every other block untouched
+    with pytest.raises(ValueError, match="held by every KV cache group"):
+        pages.gather(([NULL_BLOCK, 2], [5, 6]))
