@@ -26,16 +26,27 @@ def corpus_files() -> list[str]:
     return [f for f in files if Path(f).exists()]
 
 
-def _fresh(out: Path, spec: dict) -> bool:
-    """True if ``out`` already holds the model ``spec`` describes (builds are idempotent)."""
+def _build(out_dir: str | Path, spec: dict, make_model) -> Path:
+    """Write ``make_model(tokenizer, common_config_fields)``'s random-weight model
+    and a tokenizer to ``out_dir``; nothing to do if it already holds ``spec``'s model."""
+    out = Path(out_dir)
     marker = out / "kvreel_tiny.json"
-    return marker.exists() and json.loads(marker.read_text()) == spec
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
 
+    import torch
 
-def _save(out: Path, spec: dict, model, tokenizer) -> Path:
+    fast = _train_tokenizer(spec["vocab_size"])
+    torch.manual_seed(spec["seed"])
+    common = dict(vocab_size=len(fast), hidden_size=spec["hidden_size"], intermediate_size=spec["hidden_size"] * 2,
+                  num_attention_heads=spec["num_heads"], num_key_value_heads=spec["num_kv_heads"],
+                  max_position_embeddings=spec["max_position_embeddings"], bos_token_id=fast.bos_token_id,
+                  eos_token_id=fast.eos_token_id, tie_word_embeddings=False, torch_dtype=spec["dtype"])
+    model = make_model(fast, common).to(getattr(torch, spec["dtype"]))
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "kvreel_tiny.json").write_text(json.dumps(spec))
+    fast.save_pretrained(out)
+    marker.write_text(json.dumps(spec))
     return out
 
 
@@ -70,35 +81,16 @@ def build_tiny_llama(
     seed: int = 0,
 ) -> Path:
     """Write config, random weights and tokenizer to ``out_dir`` (idempotent)."""
-    out = Path(out_dir)
     spec = dict(
         num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
     )
-    if _fresh(out, spec):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    fast = _train_tokenizer(vocab_size)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
-    )
-    return _save(out, spec, LlamaForCausalLM(config).to(getattr(torch, dtype)), fast)
+    def make(tokenizer, common):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=num_layers))
+    return _build(out_dir, spec, make)
 
 
 def build_tiny_gemma3(
@@ -118,39 +110,19 @@ def build_tiny_gemma3(
     """A Gemma-3-style text model mixing sliding-window and full-attention layers
     (a hybrid model: vLLM's hybrid KV cache manager gives each kind its own KV
     cache group), random weights, written to ``out_dir`` (idempotent)."""
-    out = Path(out_dir)
     spec = dict(
         arch="gemma3_text", layer_types=list(layer_types), sliding_window=sliding_window, hidden_size=hidden_size,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
     )
-    if _fresh(out, spec):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
 
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    fast = _train_tokenizer(vocab_size)
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=len(layer_types),
-        layer_types=list(layer_types),
-        sliding_window=sliding_window,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,    # tied random embeddings predict the input token, over and over
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.eos_token_id,
-        torch_dtype=dtype,
-    )
-    return _save(out, spec, Gemma3ForCausalLM(config).to(getattr(torch, dtype)), fast)
+    def make(tokenizer, common):
+        # untied: tied random embeddings predict the input token, over and over
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+            sliding_window=sliding_window, head_dim=head_dim, pad_token_id=tokenizer.eos_token_id))
+    return _build(out_dir, spec, make)
 
 
 if __name__ == "__main__":
