@@ -78,8 +78,9 @@ def scheduler_output(new=None, tokens=0):
 
 
 def worker_said(sched, finished=(), **meta):
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVReelWorkerMeta(**meta) if meta else None,
-                                                  finished_recving=list(finished)))
+    from vllm.v1.outputs import KVConnectorOutput
+    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVReelWorkerMeta(**meta) if meta else None,
+                                                    finished_recving=set(finished)))
 
 
 def step(sched, req_id, agent, wf=None):
