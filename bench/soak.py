@@ -14,16 +14,14 @@ history lives in kvreel (ReSV through the DRE service) and every turn comes
 back as a cached prefix. During the run:
 Redis is killed and restarted empty, the disk tier is filled and freed, the DRE
 is killed (twice), and stored chunks (disk files and Redis values) are
-corrupted. Every answer to a prompt under the retrieval threshold is compared,
-token by token, with the answer plain vLLM gives for the same prompt with the
-same number of prompt tokens taken from its prefix cache (after the run: the
-cache emptied, the cached part sent first, then the prompt; greedy, same
-model). vLLM's CPU kernels round differently with the batch a request shares
-(``--control`` measures how often for plain vLLM under the same load), so an
-answer that differs is asked again of the soaked server once it is idle, its
-prefix cache emptied so the prefix comes back through kvreel: a replay that
-differs from plain vLLM at the same split is a wrong answer, its differing
-tokens counted.
+corrupted. Every distinct answer to a prompt under the retrieval threshold is
+checked token by token against plain vLLM after the run (idle, same model):
+teacher-forced, each answer token's logprob is compared with the greedy
+choice's. vLLM's CPU kernels round differently with the batch a request shares,
+so under load even plain vLLM picks, at near ties, a token a hair below the
+idle greedy one (``--control`` measures how far for plain vLLM alone); a token
+more than ``--tolerance`` nats below is wrong. To show the check can fail,
+answers are also checked against a prompt they do not belong to.
 Long sessions attend to part of their history by design, so for them only
 completion is checked. Reported: requests, errors, wrong answers and tokens,
 TTFT p50/p99 per phase, retrieval counters, server memory over time.
@@ -103,25 +101,27 @@ def reset_prefix_cache(base: str) -> bool:
         return False
 
 
-def reference_answers(base: str, wanted: set[tuple[int, int]], prompts: list[list[int]],
-                      max_tokens: int) -> dict[tuple[int, int], list[str] | None]:
-    """Plain vLLM's answer to prompt i with ``cached`` of its tokens taken from
-    its prefix cache, for every (i, cached) in ``wanted``: the cache emptied,
-    the first ``cached`` tokens sent alone (cached is a multiple of the block),
-    then the prompt. None where vLLM did not reuse exactly that many tokens."""
-    out = {}
-    for i, cached in tqdm(sorted(wanted), desc="reference answers"):
-        if not reset_prefix_cache(base):
-            raise RuntimeError("reset_prefix_cache failed on the idle reference server")
-        if cached:
-            complete(base, prompts[i][:cached], 1)
-        tokens, _, _, got = complete(base, prompts[i], max_tokens)
-        out[(i, cached)] = tokens if got == cached else None
-    return out
+def greedy_gaps(base: str, prompt: list[int], answer: list[int]) -> list[float]:
+    """Teacher-forced check of one answer on plain vLLM: for each answer token, how
+    far (nats) its logprob lies below the most likely token's, given the prompt and
+    the answer's own tokens before it. 0 where the answer took the greedy choice.
+    Requests with prompt logprobs skip vLLM's prefix cache, so the whole sequence is
+    computed in one idle pass."""
+    body = json.dumps({"model": "m", "prompt": prompt + answer, "max_tokens": 1, "temperature": 0,
+                       "prompt_logprobs": 1}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        entries = json.loads(resp.read())["choices"][0]["prompt_logprobs"][len(prompt):]
+    gaps = []
+    for token, entry in zip(answer, entries):
+        best = max(e["logprob"] for e in entry.values())
+        gaps.append(best - entry[str(token)]["logprob"])
+    return gaps
 
 
-def wrong_tokens(got: list[str], want: list[str]) -> int:
-    return sum(g != w for g, w in zip(got, want)) + abs(len(got) - len(want))
+def answer_ids(answer: list[str]) -> list[int]:
+    """Token ids of a streamed answer (``return_tokens_as_token_ids``: "token_id:N")."""
+    return [int(t.split(":", 1)[1]) for t in answer]
 
 
 def soak_prompt(corpus: list[int], i: int, prefixes: int = 6, prefix_tokens: int = 1536) -> list[int]:
@@ -223,6 +223,8 @@ def main():
     ap.add_argument("--long-max", type=int, default=7680, help="a long session stops growing here")
     ap.add_argument("--budget", type=int, default=1024, help="KVREEL_RETRIEVAL_BUDGET_TOKENS")
     ap.add_argument("--no-faults", action="store_true", help="load only")
+    ap.add_argument("--tolerance", type=float, default=0.25,
+                    help="nats below plain vLLM's greedy choice that still count as rounding, not a wrong token")
     ap.add_argument("--name", help="results name (default: soak, or soak_control)")
     ap.add_argument("--control", action="store_true",
                     help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
@@ -331,24 +333,21 @@ def main():
     kvreel_metrics = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in metrics.splitlines()
                       if line.startswith("vllm:kvreel_") and "_created" not in line}
     ok = [r for r in results if r["ok"]]
-    # the reference: plain vLLM, idle, at each answer's prefix-cache split
+    # The oracle: each distinct answer to a prompt under the threshold, teacher-forced
+    # through plain vLLM on an idle server. A token is wrong when plain vLLM ranks it
+    # more than --tolerance nats below its greedy choice at that position; rounding
+    # from the batch a request shared moves logits by far less (--control measures it
+    # for plain vLLM under the same load), a wrong block by far more.
     ref_server, ref_base = start_server(a.model, env, False, work / "reference.log")
-    reference = reference_answers(ref_base, {(r["prompt"], r["cached"]) for r in ok if not r["long"]}, prompts,
-                                  a.max_tokens)
-    # Under concurrent load vLLM's CPU kernels round differently with the batch a
-    # request shares (the control run shows it for plain vLLM alone). An answer that
-    # differs is asked again of the soaked server, idle, its prefix cache emptied so
-    # the prefix comes back through kvreel: if that answer still differs from plain
-    # vLLM's at the same split, kvreel's KV was wrong.
-    replays = {}
-    differing = {(r["prompt"], r["cached"]) for r in ok
-                 if not r["long"] and reference[(r["prompt"], r["cached"])] not in (None, r["answer"])}
-    for i, cached in tqdm(sorted(differing), desc="idle replays"):
-        reset_prefix_cache(base)
-        answer, _, _, split = complete(base, prompts[i], a.max_tokens)
-        if (i, split) not in reference:
-            reference.update(reference_answers(ref_base, {(i, split)}, prompts, a.max_tokens))
-        replays[(i, cached)] = {"answer": answer, "cached": split, "want": reference[(i, split)]}
+    distinct = {(r["prompt"], tuple(r["answer"])) for r in ok if not r["long"]}
+    gaps = {key: greedy_gaps(ref_base, prompts[key[0]], answer_ids(list(key[1])))
+            for key in tqdm(sorted(distinct), desc="teacher-forced check")}
+    # the same check on answers put after a prompt they do not belong to: it must fire
+    shuffled = sorted(distinct)[:: max(1, len(distinct) // 12)]
+    foreign_gaps = [x for i, ans in shuffled
+                    for x in greedy_gaps(ref_base, prompts[(i + 1) % exact], answer_ids(list(ans)))]
+    foreign = {"answers": len(shuffled), "tokens": len(foreign_gaps),
+               "flagged_tokens": sum(x > a.tolerance for x in foreign_gaps)}
     stop_server(ref_server)
     stop_server(server)
     redis.kill()
@@ -356,11 +355,10 @@ def main():
         subprocess.run(["umount", str(disk)])
 
     for r in ok:
-        want = None if r["long"] else reference[(r["prompt"], r["cached"])]
-        r["checked"] = want is not None
-        r["differs_under_load"] = want is not None and r["answer"] != want
-        replay = replays.get((r["prompt"], r["cached"])) if r["differs_under_load"] else None
-        r["wrong_tokens"] = wrong_tokens(replay["answer"], replay["want"]) if replay and replay["want"] else 0
+        g = [] if r["long"] else gaps[(r["prompt"], tuple(r["answer"]))]
+        r["max_gap"] = max(g, default=0.0)
+        r["off_greedy_tokens"] = sum(x > 0 for x in g)
+        r["wrong_tokens"] = sum(x > a.tolerance for x in g)
         r["wrong"] = r["wrong_tokens"] > 0
     ttfts = sorted(r["ttft"] for r in ok)
 
@@ -375,15 +373,18 @@ def main():
                                                         "ttft_p99_s": pct(xs, 0.99)}
     out = {"model": a.model, "minutes": a.minutes, "clients": a.clients, "prompts": a.prompts,
            "disk_tier_on_tmpfs": tmpfs, "requests": len(results), "served": len(ok),
-           "errors": len(results) - len(ok), "checked_answers": sum(r["checked"] for r in ok),
-           "unchecked_answers": {"long sessions (retrieval by design)": sum(r["long"] for r in ok),
-                                 "reference could not reuse the same split": sum(
-                                     not r["long"] and not r["checked"] for r in ok)},
-           "differing_under_load": sum(r["differs_under_load"] for r in ok),
+           "errors": len(results) - len(ok),
+           "oracle": "each distinct answer under the threshold teacher-forced through plain vLLM (idle, no "
+                     "prefix cache); a token is wrong when its logprob is more than tolerance_nats below the "
+                     "greedy choice's",
+           "tolerance_nats": a.tolerance, "checked_answers": sum(not r["long"] for r in ok),
+           "distinct_answers_checked": len(distinct),
+           "answer_tokens_checked": sum(len(r["answer"]) for r in ok if not r["long"]),
+           "off_greedy_tokens": sum(r["off_greedy_tokens"] for r in ok),
+           "max_gap_nats": max((r["max_gap"] for r in ok), default=0.0),
+           "off_greedy_gaps_nats_distinct_answers": sorted(x for g in gaps.values() for x in g if x > 0),
+           "foreign_check": foreign,
            "wrong_answers": sum(r["wrong"] for r in ok), "wrong_tokens": sum(r["wrong_tokens"] for r in ok),
-           "idle_replays": [{"prompt": i, "cached_under_load": c, **v, "same": v["answer"] == v["want"]}
-                            for (i, c), v in sorted(replays.items())],
-           "answer_tokens_checked": sum(len(r["answer"]) for r in ok if r["checked"]),
            "long_session_requests": sum(1 for r in results if r["prompt"] >= exact),
            "long_session_served": sum(1 for r in ok if r["long"]),
            "long_session_tokens_max": max((r["tokens"] for r in ok if r["long"]), default=0),
@@ -396,15 +397,13 @@ def main():
            "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
            "error_examples": [r["error"] for r in results if not r["ok"]][:5],
            "retrieval_metrics": {k: v for k, v in kvreel_metrics.items() if "retrieval" in k or "dre" in k},
-           "differing_examples": [{"t": r["t"], "prompt": r["prompt"], "cached": r["cached"], "got": r["answer"],
-                                   "want": reference[(r["prompt"], r["cached"])]}
-                                  for r in ok if r["differs_under_load"]][:20],
            "memory": samples}
     out["control"] = a.control
     name = a.name or ("soak_control" if a.control else "soak")
     path = save(name, out)
     _plot(results, samples, events, name)
-    print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics")}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics",
+                                                                    "off_greedy_gaps_nats_distinct_answers")}, indent=1))
     print("wrote", path)
     keep = Path(__file__).parent / "data"
     keep.mkdir(exist_ok=True)

@@ -37,8 +37,7 @@ def setup(tiny_model, monkeypatch):
 def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Generator):
     """Two requests in one cache with shuffled physical blocks; their KV written by vLLM's op."""
     from vllm import _custom_ops as ops
-    from vllm import envs
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, _get_attn_isa
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     isa = _get_attn_isa(torch.bfloat16, BS, D, "auto")
     layer = SimpleNamespace(isa=isa, layer_name="model.layers.0.self_attn.attn", _k_scale_float=1.0,
                             _v_scale_float=1.0)
@@ -56,18 +55,26 @@ def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Gen
         ops.cpu_attn_reshape_and_cache(k, v, *cache.view(num_blocks, H, 2 * BS, D).chunk(2, dim=2), slots, isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         rows.append(table[r])
+    meta = _metadata(seq_lens, q_lens, table, isa)
+    query = torch.randn(int(meta.query_start_loc[-1]), H * G, D, generator=g).bfloat16()
+    return layer, cache, meta, query
+
+
+def _metadata(seq_lens: list[int], q_lens: list[int], table: torch.Tensor, isa: str):
+    """vLLM's CPU attention metadata for a batch, as its builder makes it."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    meta = CPUAttentionMetadata(
+    return CPUAttentionMetadata(
         num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl, max_seq_len=max(seq_lens),
         seq_lens=seq, block_table=table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), causal=True,
         scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(seq_lens), num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.bfloat16,
             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto"))
-    query = torch.randn(int(qsl[-1]), H * G, D, generator=g).bfloat16()
-    return layer, cache, meta, query
 
 
 def _offload(runtime, cache, meta, row: int, req_id: str, blocks: int) -> None:
@@ -120,6 +127,32 @@ def test_more_resident_blocks_than_a_slot_holds_is_still_exact(setup):
     _offload(runtime, cache, meta, 0, "resumed", blocks=3)
     assert 3 + (71 - 3) > runtime.slot_pages                   # the case: the slot cannot hold them
     cache[meta.block_table[0, :3].long()] = 7                   # the history is read from kvreel, not from here
+    got = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, got)
+    assert torch.equal(got, want)
+
+
+def test_each_step_finds_its_own_long_rows(setup):
+    """Which rows are long is found anew every step, even when the step's metadata
+    object is where the last step's was (CPython reuses the address of a freed
+    object; the soak crashed on a stale answer, and a stale answer that does not
+    crash replaces a short request's output)."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(3)
+    layer, cache, meta, query = _batch([10 * BS + 5, 3 * BS + 1], [1, 1], 64, g)
+    _offload(runtime, cache, meta, 0, "long", blocks=9)
+    impl.forward(layer, query, None, None, cache, meta, torch.zeros(query.shape, dtype=torch.bfloat16))
+    # the next step: the same two requests in the other order, in the same object
+    swapped = _metadata(meta.seq_lens.flip(0).tolist(), [1, 1], meta.block_table.flip(0).contiguous(), layer.isa)
+    query = query.flip(0).contiguous()
+    want = torch.zeros(query.shape, dtype=torch.bfloat16)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, cache, swapped, want)
+    for f in dataclasses.fields(meta):
+        setattr(meta, f.name, getattr(swapped, f.name))
+    runtime.begin_step(dict(runtime.rows), [])
     got = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, got)
     assert torch.equal(got, want)

@@ -43,7 +43,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         self.runtime = RetrievalRuntime.get()
         self.runtime.configure_engine(get_current_vllm_config())
         self.layer_index: int | None = None
-        self._rows_of: tuple[int, dict[int, str]] | None = None      # (id of the metadata, row -> request)
+        self._rows_of: tuple[int, object, dict[int, str]] | None = None    # (step, its metadata, row -> request)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -68,7 +68,9 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             if index is None:       # its history could not be told apart: never read freed blocks
                 raise RuntimeError(f"kvreel: cannot tell the layer number of {layer.layer_name!r}")
             self.layer_index = index
-        if self._rows_of is None or self._rows_of[0] != id(meta):
+        # Layers of one step share its metadata. A step is told by the runtime's counter:
+        # vLLM builds a new metadata object each step, but it may sit where the last one did.
+        if self._rows_of is None or self._rows_of[0] != rt.step or self._rows_of[1] is not meta:
             bs = rt.block_size
             newest = meta.block_table.gather(1, ((meta.seq_lens.long() - 1) // bs).unsqueeze(1)).flatten().tolist()
             found = {r: rt.rows[b] for r, b in enumerate(newest) if b in rt.rows and rt.rows[b] in rt.histories}
@@ -76,8 +78,8 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             if set(found.values()) != expected:       # never let a long request read blocks vLLM freed
                 raise RuntimeError(f"kvreel: rows of long requests {sorted(expected - set(found.values()))} "
                                    "are not in this batch")
-            self._rows_of = (id(meta), found)
-        return self._rows_of[1]
+            self._rows_of = (rt.step, meta, found)
+        return self._rows_of[2]
 
     def _attend_long(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
         """One kernel call over the layer's working-set buffer with the batch's

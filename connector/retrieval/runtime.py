@@ -104,6 +104,7 @@ class RetrievalRuntime:
         self.exact = cfg.retrieval_alpha >= 1
         self.histories: dict[str, RequestHistory] = {}
         self.rows: dict[int, str] = {}            # this step: block id of a row's newest token -> request
+        self.step = 0                             # steps begun: tells one step's batch from the next
         self.working: dict[tuple[str, int], WorkingSet] = {}
         self.buffers: dict[int, torch.Tensor] = {}     # layer -> [slots * slot_pages, H, 2 bs, D]
         self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
@@ -170,6 +171,7 @@ class RetrievalRuntime:
         for req_id in dropped:
             self.drop(req_id)
         self.rows = rows
+        self.step += 1
 
     @property
     def slot_pages(self) -> int:
