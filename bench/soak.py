@@ -66,20 +66,21 @@ def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int 
 
 
 def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120):
-    """(tokens, ttft seconds, total seconds, prompt tokens served from cache) of one
-    streamed greedy completion."""
+    """(tokens, ttft seconds, total seconds, prompt tokens served from cache, the
+    server's id of the request) of one streamed greedy completion."""
     body = json.dumps({"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
                        "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ttft, tokens, cached = None, [], None
+    ttft, tokens, cached, rid = None, [], None, None
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for line in resp:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            rid = rid or chunk.get("id")
             if chunk.get("usage"):
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             if not chunk.get("choices"):
@@ -89,7 +90,7 @@ def complete(base: str, ids: list[int], max_tokens: int, timeout: float = 120):
             tokens += (chunk["choices"][0].get("logprobs") or {}).get("tokens") or []
     if cached is None:
         raise RuntimeError("the server sent no usage (needs --enable-prompt-tokens-details)")
-    return tokens, ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0, cached
+    return tokens, ttft if ttft is not None else time.perf_counter() - t0, time.perf_counter() - t0, cached, rid
 
 
 def reset_prefix_cache(base: str) -> bool:
@@ -277,9 +278,9 @@ def main():
             t = time.monotonic() - t_start
             try:
                 ids = session.next_prompt() if session is not None else prompts[i]
-                answer, ttft, total, cached = complete(base, ids, a.max_tokens)
+                answer, ttft, total, cached, rid = complete(base, ids, a.max_tokens)
                 rec = {"t": t, "prompt": i, "ttft": ttft, "total": total, "ok": True, "long": i >= exact,
-                       "tokens": len(ids), "cached": cached, "answer": answer}
+                       "tokens": len(ids), "cached": cached, "answer": answer, "id": rid}
             except Exception as e:  # noqa: BLE001 — an error is a result here
                 rec = {"t": t, "prompt": i, "ok": False, "error": str(e)[:200]}
             finally:
@@ -356,6 +357,7 @@ def main():
 
     for r in ok:
         g = [] if r["long"] else gaps[(r["prompt"], tuple(r["answer"]))]
+        r["gaps"] = g
         r["max_gap"] = max(g, default=0.0)
         r["off_greedy_tokens"] = sum(x > 0 for x in g)
         r["wrong_tokens"] = sum(x > a.tolerance for x in g)
@@ -389,6 +391,8 @@ def main():
            "long_session_served": sum(1 for r in ok if r["long"]),
            "long_session_tokens_max": max((r["tokens"] for r in ok if r["long"]), default=0),
            "paged_cache_tokens": a.kv_blocks * 32,
+           "wrong_examples": [{k: r[k] for k in ("t", "id", "prompt", "tokens", "cached", "ttft", "answer", "gaps")}
+                              for r in ok if r["wrong"]][:20],
            "wrong_by_prompt": {i: n for i in range(exact)
                                if (n := sum(1 for r in ok if r["prompt"] == i and r["wrong"]))},
            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),

@@ -108,7 +108,7 @@ class RequestState:
     request: object
     block_ids: GroupBlockIds = ()                    # per KV cache group, position by position
     saved_upto: int = 0          # blocks below this are stored (or were skipped)
-    load: tuple[int, set[int]] | None = None       # (first block, block ids of group 0) of its last load
+    load: tuple[int, set[int]] | None = None       # (first block, block ids of group 0) of its load in flight
     counted_lookup: bool = False
     from_remote: set = field(default_factory=set)   # hashes this request loaded from the remote tier
     user: tuple[str, str] | None = None             # (workflow, agent) from the request's hints
@@ -146,6 +146,7 @@ class KVReelScheduler:
         self._stores: dict[bytes, StoreOp] = {}
         self._evictions: dict[Tier, list[bytes]] = {}
         self._sync_pins: list[Chunk] = []
+        self._sync_loading: list[str] = []      # requests whose synchronous load runs in this step
         self._async_pins: dict[str, list[Chunk]] = {}
         self._promotions: dict[str, list[Chunk]] = {}
         self._remote_plans: dict[str, list[tuple[bytes, int]]] = {}
@@ -326,6 +327,13 @@ class KVReelScheduler:
 
     # -- saves ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVReelMetadata:
+        # Last step's synchronous loads ran in its forward pass and their failures came
+        # with its output: done. Block ids are reused, so a failure reported later is
+        # another request's (async loads are done when the worker says so).
+        for req_id in self._sync_loading:
+            if (st := self.reqs.get(req_id)) is not None:
+                st.load = None
+        self._sync_loading = [op.req_id for op in self._loads if not op.is_async]
         for new in scheduler_output.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:
@@ -505,6 +513,8 @@ class KVReelScheduler:
         hashes = st.request.block_hashes
         full = min(computed_after // self.block_size, len(hashes), *(len(ids) for ids in st.block_ids))
         i = st.saved_upto
+        if self.history is not None:        # blocks vLLM freed (kvreel holds them): their ids are someone else's now
+            i = max(i, self.history.held(st.request.request_id))
         while i < full:
             if hashes[i] in self.index or not self._held_by_every_group(st, i):
                 i += 1
@@ -620,6 +630,8 @@ class KVReelScheduler:
             for key in meta.prefetch_failed:
                 self._prefetch_done(key, False)
         for req_id in output.finished_recving or ():
+            if (st := self.reqs.get(req_id)) is not None:
+                st.load = None
             for chunk in self._async_pins.pop(req_id, ()):
                 chunk.pins -= 1
             for chunk in self._promotions.pop(req_id, ()):

@@ -47,6 +47,10 @@ class HistoryPlanner:
             return 0
         return max(0, num_tokens - self.window) // self.block_size
 
+    def held(self, req_id: str) -> int:
+        """Leading blocks of the request that vLLM may have freed: kvreel holds them."""
+        return LEDGER.held(req_id)
+
     # -- admission ---------------------------------------------------------------------
     def admission_skip(self, req_id: str, total_tokens: int, held_prefix_blocks: int) -> int:
         """Blocks of a newly admitted request that come straight into its history
