@@ -260,9 +260,11 @@ def main():
         server, base = start_server(a.model, kenv, True, work / "kvreel.log", a.kv_blocks,
                                     max_model_len=a.long_max + 64)
     duration = a.minutes * 60
-    faults = [] if a.control or a.no_faults else [(0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.50, "disk filled"),
-              (0.55, "DRE killed"), (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted"),
-              (0.90, "DRE killed")]
+    # chunks are corrupted once while the disk tier serves (a full disk disables it) and twice after
+    faults = [] if a.control or a.no_faults else [
+        (0.20, "redis killed"), (0.35, "redis restarted (empty)"), (0.42, "chunks corrupted"), (0.50, "disk filled"),
+        (0.55, "DRE killed"), (0.65, "disk freed"), (0.75, "chunks corrupted"), (0.85, "chunks corrupted"),
+        (0.90, "DRE killed")]
     events, samples, results = [], [], []
     lock = threading.Lock()
     t_start = time.monotonic()
