@@ -8,8 +8,8 @@ context, the same agents). kvreel's host tier holds about three agents'
 prefixes, the rest is on disk (or in Redis: ``--lower redis``), and vLLM's
 paged cache is smaller still. ``--link-gbps G`` puts Redis behind a loopback
 link shaped to G Gbit/s (fetches only; the token-bucket proxy in shaper.py),
-the kind of link a remote store sits behind. Every request carries its workflow hints; with
-KVREEL_EVICTION=lru kvreel ignores them. The first round computes every
+the kind of link a remote store sits behind. Every request carries its
+workflow hints; with KVREEL_EVICTION=lru kvreel ignores them. The first round computes every
 prefix; the rounds after it are measured.
 
     python bench/agent_workflow.py --model ../shared/models/tinycode-16m-4k
@@ -130,7 +130,8 @@ def main() -> None:
         "agents": a.agents, "prompt_tokens": lengths, "shared_context_growth_per_step": 32,
         "rounds": a.rounds, "measured_rounds": a.rounds - 1, "max_tokens": a.max_tokens,
         "host_bytes": host_bytes, "host_agents": a.host_agents, "kv_blocks": a.kv_blocks, "block_size": 32,
-        "lower_tier": a.lower, "link_gbps": a.link_gbps, "client": "aiohttp streaming /v1/completions, token-id prompts, greedy",
+        "lower_tier": a.lower, "link_gbps": a.link_gbps,
+        "client": "aiohttp streaming /v1/completions, token-id prompts, greedy",
         "prefetch_depth_default": 2}, "results": {}}
     runs = [(s, p) for s in a.shapes.split(",") for p in a.policies.split(",")]
     with tempfile.TemporaryDirectory(prefix="kvreel-agents-") as tmp:

@@ -408,8 +408,8 @@ def main():
     name = a.name or ("soak_control" if a.control else "soak")
     path = save(name, out)
     _plot(results, samples, events, name)
-    print(json.dumps({k: v for k, v in out.items() if k not in ("memory", "phases", "kvreel_metrics",
-                                                                    "off_greedy_gaps_nats_distinct_answers")}, indent=1))
+    long_fields = ("memory", "phases", "kvreel_metrics", "off_greedy_gaps_nats_distinct_answers")
+    print(json.dumps({k: v for k, v in out.items() if k not in long_fields}, indent=1))
     print("wrote", path)
     keep = Path(__file__).parent / "data"
     keep.mkdir(exist_ok=True)
