@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from scheduler_stand_ins import new_request, scheduler_output, worker_said
+
 BS = 32
 
 
@@ -23,24 +25,6 @@ def request(req_id: str, prefix: int, blocks: int):
                            num_tokens=blocks * BS + 5)
 
 
-def scheduled(new=(), cached=(), tokens=None):
-    """vLLM's SchedulerOutput as the connector reads it."""
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(ids,), num_computed_tokens=done)
-                            for r, ids, done in new],
-        num_scheduled_tokens=tokens or {},
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _, _ in cached],
-                                              new_block_ids=[(ids,) for _, ids, _ in cached],
-                                              num_computed_tokens=[done for _, _, done in cached],
-                                              resumed_req_ids=set()),
-        new_block_ids_to_zero=None)
-
-
-def worker_said(sched, **fields):
-    from vllm.v1.outputs import KVConnectorOutput
-    sched.update_connector_output(KVConnectorOutput(**fields))
-
-
 def stored_blocks(meta) -> list[list[int]]:
     return [op.block_ids[0] for op in meta.stores]
 
@@ -49,14 +33,14 @@ def test_a_failure_names_blocks_of_a_load_in_flight_not_of_one_done(tmp_path):
     sched = make_scheduler(tmp_path)
     first = request("first", 1, 2)
     sched.get_num_new_matched_tokens(first, 0)
-    sched.build_connector_meta(scheduled(new=[(first, [10, 11, 12], 0)], tokens={"first": 2 * BS + 5}))
+    sched.build_connector_meta(scheduler_output([new_request(first, [10, 11, 12], 0)], tokens={"first": 2 * BS + 5}))
     sched.request_finished(first)                     # its chunk is in the host tier now
     again = request("again", 1, 2)
     assert sched.get_num_new_matched_tokens(again, 0)[0] == 2 * BS
     sched.update_state_after_alloc(again, ([20, 21, 22],), 2 * BS)
-    sched.build_connector_meta(scheduled(new=[(again, [20, 21, 22], 2 * BS)], tokens={"again": 5}))
+    sched.build_connector_meta(scheduler_output([new_request(again, [20, 21, 22], 2 * BS)], tokens={"again": 5}))
     worker_said(sched)                                # its synchronous load went well
-    sched.build_connector_meta(scheduled(cached=[(again, [], 2 * BS + 5)], tokens={"again": 1}))
+    sched.build_connector_meta(scheduler_output(cached=[(again, [], 2 * BS + 5)], tokens={"again": 1}))
     worker_said(sched, invalid_block_ids={21})        # block 21 is another request's now
     assert sched.reqs["again"].saved_upto == 2
 
@@ -65,12 +49,12 @@ def test_a_failure_in_the_same_step_is_stored_again(tmp_path):
     sched = make_scheduler(tmp_path)
     first = request("first", 1, 2)
     sched.get_num_new_matched_tokens(first, 0)
-    sched.build_connector_meta(scheduled(new=[(first, [10, 11, 12], 0)], tokens={"first": 2 * BS + 5}))
+    sched.build_connector_meta(scheduler_output([new_request(first, [10, 11, 12], 0)], tokens={"first": 2 * BS + 5}))
     sched.request_finished(first)
     again = request("again", 1, 2)
     sched.get_num_new_matched_tokens(again, 0)
     sched.update_state_after_alloc(again, ([20, 21, 22],), 2 * BS)
-    sched.build_connector_meta(scheduled(new=[(again, [20, 21, 22], 2 * BS)], tokens={"again": 5}))
+    sched.build_connector_meta(scheduler_output([new_request(again, [20, 21, 22], 2 * BS)], tokens={"again": 5}))
     worker_said(sched, invalid_block_ids={21})        # the load of this step failed: vLLM recomputes
     assert sched.reqs["again"].saved_upto == 0
 
@@ -84,7 +68,7 @@ def test_blocks_vllm_freed_are_never_read_for_a_store(tmp_path):
     LEDGER.hold("long", 4)                            # kvreel holds blocks 0-3: vLLM freed them
     try:
         sched.reqs["long"].saved_upto = 0             # as after a failed load
-        meta = sched.build_connector_meta(scheduled(new=[(long, [30, 31, 32, 33, 34, 35, 36], 0)],
+        meta = sched.build_connector_meta(scheduler_output([new_request(long, [30, 31, 32, 33, 34, 35, 36], 0)],
                                                     tokens={"long": 6 * BS + 5}))
         assert stored_blocks(meta) == [[34], [35]]
     finally:

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.metadata import KVReelWorkerMeta
 from kvreel.connector.scheduler_side import KVReelScheduler
 from kvreel.connector.tiers import Tier
 from kvreel.scheduler.workflow import FAR, HintError, Workflow, WorkflowTracker
+from scheduler_stand_ins import new_request, scheduler_output, worker_said
 
 LOOP = {"A": ["B"], "B": ["C"], "C": ["D"], "D": ["A"]}
 BS = 32                     # tokens per block; one 2-block chunk per agent prefix
@@ -68,21 +68,6 @@ def agent_request(req_id, agent, wf=None):
                            num_tokens=2 * BS + 5, kv_transfer_params=wf.hints(agent) if wf else None)
 
 
-def scheduler_output(new=None, tokens=0):
-    """vLLM's SchedulerOutput as the connector reads it: ``new`` computes ``tokens``."""
-    return SimpleNamespace(scheduled_new_reqs=[new] if new else [],
-                           num_scheduled_tokens={new.req_id: tokens} if new else {},
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                 resumed_req_ids=set()),
-                           new_block_ids_to_zero=None)
-
-
-def worker_said(sched, finished=(), **meta):
-    from vllm.v1.outputs import KVConnectorOutput
-    sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVReelWorkerMeta(**meta) if meta else None,
-                                                    finished_recving=set(finished)))
-
-
 def step(sched, req_id, agent, wf=None):
     """One request of ``agent`` through the scheduler side as vLLM drives it:
     lookup, allocation, the step that computes (and saves) it, finish. Returns
@@ -94,8 +79,8 @@ def step(sched, req_id, agent, wf=None):
         time.sleep(0.01)
     sched.update_state_after_alloc(request, ([10, 11, 12],), matched)
     tiers = sched.planned_tokens_by_tier(req_id)
-    new = SimpleNamespace(req_id=req_id, block_ids=([10, 11, 12],), num_computed_tokens=matched)
-    meta = sched.build_connector_meta(scheduler_output(new, 2 * BS + 5 - matched))
+    meta = sched.build_connector_meta(scheduler_output([new_request(request, [10, 11, 12], matched)],
+                                                       tokens={req_id: 2 * BS + 5 - matched}))
     worker_said(sched, finished=[req_id])
     sched.request_finished(request)
     return (max(tiers, key=tiers.get) if tiers else None), meta
