@@ -54,6 +54,12 @@ def test_dockerfiles_pin_their_versions():
         if arg:                                  # a build argument: its default must be pinned
             base = re.search(rf"^ARG {arg.group(1)}=(\S+)", text, re.M).group(1)
         assert re.fullmatch(r"\S+:\S*\d\S*", base), f"{name}: base image {base} must be pinned"
+        # apt: only Python's minor version; a library pinned below what the base already
+        # ships (a security update) makes apt refuse to downgrade, and the build fails
+        for pkgs in re.findall(r"apt-get install ((?:\\\n|[^\n&\\])+)", text):
+            for req in pkgs.replace("\\\n", " ").split():
+                if "=" in req:
+                    assert re.fullmatch(r"python3(-[a-z]+)?=3\.11\.\*", req), f"{name}: apt pin {req}"
         for pkg in re.findall(r"pip install ([^\n\\&]+)", text):
             for req in pkg.split():
                 if not req.startswith(("-", "/", '"', "$")) and "://" not in req:

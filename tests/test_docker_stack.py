@@ -35,11 +35,11 @@ pytestmark = pytest.mark.docker
 ROOT = Path(__file__).parents[1]
 BASE_IMAGE = "kvreel-local-base:bookworm"
 PROJECT = "kvreeltest"
-BUILD_INPUTS_PORT = 47651
 
 
-def sh(*cmd, env=None, timeout=1800) -> str:
-    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout)
+def sh(*cmd, env=None, timeout=1800, input_text=None) -> str:
+    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout,
+                          input=input_text)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
@@ -70,11 +70,12 @@ def docker_engine(tmp_path_factory):
 
 
 def local_base(tmp: Path) -> str:
-    """Debian 12 made with mmdebstrap (the machine's apt sources), imported once."""
-    if subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode != 0:
-        tar = tmp / "bookworm.tar"
-        sh("mmdebstrap", "--variant=minbase", "--include=ca-certificates", "bookworm", tar, timeout=900)
-        sh("docker", "import", tar, BASE_IMAGE)
+    """Debian 12 made today with mmdebstrap (the machine's apt sources, with their
+    point and security updates), so the images are built on the base a new user
+    gets now, never on one cached from an earlier run."""
+    tar = tmp / "bookworm.tar"
+    sh("mmdebstrap", "--variant=minbase", "--include=ca-certificates", "bookworm", tar, timeout=900)
+    sh("docker", "import", tar, BASE_IMAGE)
     return BASE_IMAGE
 
 
@@ -99,10 +100,7 @@ def serve_build_inputs(tmp: Path) -> tuple[dict[str, str], ThreadingHTTPServer]:
     root = tmp / "build-inputs"
     root.mkdir()
     handler = partial(QuietHandler, directory=str(root))
-    try:        # the same URLs in the build arguments keep Docker's build cache valid across runs
-        server = ThreadingHTTPServer(("127.0.0.1", BUILD_INPUTS_PORT), handler)
-    except OSError:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     args = {"BASE_IMAGE": local_base(tmp)}
@@ -135,8 +133,30 @@ def completion(base: str, prompt: list[int], max_tokens: int) -> dict:
     return json.loads(body)
 
 
-@pytest.mark.timeout(2700)          # a fresh machine builds the images from scratch
+def build_context_files() -> list[str]:
+    """What the daemon receives as the build context: a throwaway image that copies
+    the context whole, built with the same context and .dockerignore as compose."""
+    probe = "FROM scratch\nCOPY . /context\n"
+    tag = f"{PROJECT}-context-probe"
+    sh("docker", "build", "-q", "-f", "-", "-t", tag, ROOT, input_text=probe)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            container = sh("docker", "create", tag, "/none").strip()
+            sh("docker", "cp", f"{container}:/context", out)
+            sh("docker", "rm", container)
+            return sorted(str(p.relative_to(Path(out, "context"))) for p in Path(out, "context").rglob("*")
+                          if p.is_file())
+    finally:
+        subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+@pytest.mark.timeout(2700)          # the images are built from scratch, every run
 def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp_path):
+    # only what the images copy is sent to the daemon (.dockerignore): no .venv, .git or results
+    sent = build_context_files()
+    assert "pyproject.toml" in sent and "connector/kvreel_connector.py" in sent
+    assert not [f for f in sent if f.split("/")[0] not in ("pyproject.toml", "README.md", "connector", "codec",
+                                                           "scheduler", "deploy")], sent
     args, server = serve_build_inputs(tmp_path)
     port = free_port()
     env = {**os.environ, **args, "KVREEL_IMAGE_TAG": "test", "KVREEL_PORT": str(port),
@@ -148,7 +168,10 @@ def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp
            "KVREEL_RETRIEVAL_BUDGET_TOKENS": "256", "KVREEL_RETRIEVAL_DEADLINE_MS": "2000"}
     compose = ["docker-compose", "-f", ROOT / "deploy" / "compose.yaml", "-p", PROJECT]
     try:
-        sh(*compose, "build", env=env, timeout=2400)
+        t0 = time.monotonic()
+        # no layer from an earlier run: a pin the base has moved past fails here, not on a user's machine
+        sh(*compose, "build", "--no-cache", env=env, timeout=2400)
+        print(f"images built from scratch in {time.monotonic() - t0:.0f} s")
     finally:
         server.shutdown()
     try:
