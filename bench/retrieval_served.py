@@ -2,25 +2,24 @@
 
 1. In vLLM (teacher-forced): one long prompt, prefilled in small chunks so that
    every chunk past ``--min-tokens`` attends through kvreel's retrieval (its
-   history offloaded, the working set chosen by the DRE); vLLM's prompt
-   logprobs give, at every position past the threshold, the model's top-1
-   token. Agreement = share of positions whose top-1 equals full attention's
-   (the same engine with retrieval off), and the mean |logprob difference| of
-   the actual next token. The working set's share of the history is kvreel's
-   own counters (kept / history blocks over every layer-step).
+   history offloaded, every step's working set chosen with its own queries);
+   vLLM's prompt logprobs give, at every position past the threshold, the
+   model's top-1 token. Agreement = share of positions whose top-1 equals full
+   attention's (the same engine with retrieval off), and the mean |logprob
+   difference| of the actual next token. The working set's share of the
+   history is kvreel's own counters (kept / history blocks over every
+   layer-step).
 2. In vLLM, decoding as served: several prompts past the threshold, each
-   followed by ``--decode`` greedy tokens through retrieval (predictions made
-   once per new history block, never waited for); full attention then
+   followed by ``--decode`` greedy tokens through retrieval; full attention then
    teacher-forces each prompt + generated tokens, and agreement is the share of
    generated tokens it also ranks first. Full attention's own decoding, scored
    the same way, is the control (decode vs prefill numerics).
 3. Outside vLLM, the same selection code on captured queries/keys/values
-   (``RetrievalRuntime``'s slab history and ``select_slabs``, the DRE service's
-   clustering and mass prediction; as a decode step is served, each layer's
-   selection predicted from its own queries at the step its history last grew
-   a block; the real sink block and window): the relative
-   attention-output error per layer and KV head at decode positions, mean and
-   worst head, against the working set's share of the history.
+   (``choose_tokens`` over a ``LayerHistory`` labelled by the DRE service's
+   clustering, the decode step's own queries, the real sink block and
+   window): the relative attention-output error per layer and KV head at
+   decode positions, mean and worst head, against the working set's share of
+   the history.
 
     python bench/retrieval_served.py --model models/smollm2-135m
 
@@ -117,62 +116,49 @@ def generated_agreement(scored: dict, prompts: list[list[int]], gen: dict) -> di
 
 # -- 2. attention-output error through the serving selection -----------------------------
 
-def served_errors(model: str, ids: list[int], method: str, alpha: float, budget: int, window: int,
-                  positions: list[int], block: int = 32) -> dict:
+def served_errors(model: str, ids: list[int], method: str, alpha: float, share: float, window: int,
+                  positions: list[int], block: int = 32, budget_tokens: int = 4096, candidates: int = 4) -> dict:
     """Relative attention-output error of decode queries at ``positions`` when
-    each layer attends to what the served selection keeps."""
+    each layer attends to what the served selection keeps (``choose_tokens``
+    with the step's own queries, the DRE's clusters narrowing the candidates)."""
     from kv_capture import capture_qkv_ids
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvreel.connector.retrieval.history import LayerHistory
     from kvreel.connector.retrieval.page_packing import PagePacking
-    from kvreel.connector.retrieval.runtime import select_slabs
+    from kvreel.connector.retrieval.runtime import choose_tokens
     q_all, k_all, v_all = capture_qkv_ids(model, ids)          # [L, Hq, T, D], [L, Hkv, T, D]
     L, Hq, T, D = q_all.shape
     H = k_all.shape[1]
     G = Hq // H
     packing = PagePacking(block, D, torch.bfloat16, _get_attn_isa(torch.bfloat16, block, D, "auto"))
     call = in_process_dre()
-
-    # as a decode step is served: the layer's own queries, at the step its history last grew a
-    # block; the baseline: the previous layer's queries (cross-layer prefetch, not served)
-    sources = {"served": 0, "previous layer's queries": 1}
-    errors: dict[str, list[float]] = {name: [] for name in sources}
-    shares: dict[str, list[float]] = {name: [] for name in sources}
+    errors, shares = [], []
     for p in positions:
         hist_blocks = (p - window) // block                    # blocks that left the window (sink included)
         resident = torch.arange(hist_blocks * block, p + 1)    # window and the decoded token itself
-        asked_at = hist_blocks * block + window
+        pages_kept = max(2, min(math.ceil(share * hist_blocks), budget_tokens // block))
         for layer in range(L):
             k = k_all[layer, :, :p + 1].transpose(0, 1).bfloat16()      # [tokens, H, D]
             v = v_all[layer, :, :p + 1].transpose(0, 1).bfloat16()
             pages = torch.zeros(hist_blocks, H, 2 * block, D, dtype=torch.bfloat16)
             packing.pack(k[:hist_blocks * block], v[:hist_blocks * block], pages, torch.arange(hist_blocks * block))
+            lh = LayerHistory(H, block, D, torch.bfloat16, packing)
+            keys = lh.append(pages, 0)
+            handle = f"p{p}/{layer}"
+            lh.set_labels(block, call("cluster", handle=handle, keys=keys, method=method)["labels"])
+            call("drop", handle=handle)
             q = q_all[layer, :, p].view(H, G, D)
-            for name, back in sources.items():
-                lh = LayerHistory(H, block, D, torch.bfloat16, packing)
-                keys = lh.append(pages, 0)
-                handle = f"p{p}/{layer}/{back}"
-                lh.set_labels(block, call("cluster", handle=handle, keys=keys, method=method)["labels"])
-                lh.compact()
-                queries = q_all[max(layer - back, 0), :, asked_at].view(H, G, D)
-                mass = call("mass", handle=handle, queries=queries, alpha=alpha)["mass"]
-                slabs = select_slabs(lh.slab_mass(mass), alpha, budget // block - 1)
-                call("drop", handle=handle)
-                shares[name].append((1 + slabs.shape[1]) / hist_blocks)
-                for h in range(H):
-                    kept = torch.cat([torch.arange(block), lh.tokens[h, slabs[h]].flatten(), resident])
-                    full = _attend(q[h], k_all[layer, h, :p + 1], v_all[layer, h, :p + 1])
-                    part = _attend(q[h], k_all[layer, h, kept], v_all[layer, h, kept])
-                    errors[name].append(((part - full).norm() / full.norm()).item())
-    out = {"positions": positions}
-    for name in sources:
-        e = torch.tensor(errors[name])
-        stats = {"mean_error": e.mean().item(), "worst_head_error": e.max().item(),
-                 "p99_error": e.quantile(0.99).item(),
-                 "working_set_share_of_history": sum(shares[name]) / len(shares[name])}
-        out.update(stats if name == "served" else {name: stats})
-    return out
+            kept = choose_tokens(lh, q, alpha, (pages_kept - 1) * block, candidates)
+            shares.append(kept.shape[1] / (hist_blocks * block))
+            for h in range(H):
+                tokens = torch.cat([kept[h], resident])
+                full = _attend(q[h], k_all[layer, h, :p + 1], v_all[layer, h, :p + 1])
+                part = _attend(q[h], k_all[layer, h, tokens], v_all[layer, h, tokens])
+                errors.append(((part - full).norm() / full.norm()).item())
+    e = torch.tensor(errors)
+    return {"positions": positions, "mean_error": e.mean().item(), "worst_head_error": e.max().item(),
+            "p99_error": e.quantile(0.99).item(), "working_set_share_of_history": sum(shares) / len(shares)}
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -187,8 +173,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk: how finely the prompt is stepped")
     ap.add_argument("--min-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--configs", default="resv:0.99:1024,resv:0.99:1536,mosaic:0.99:1024,mosaic:0.99:1536",
-                    help="method:alpha:budget_tokens, comma separated")
+    ap.add_argument("--configs", default="resv:0.9:0.125,mosaic:0.9:0.125,resv:0.9:0.25,mosaic:0.9:0.25",
+                    help="method:alpha:budget share, comma separated")
     ap.add_argument("--error-positions", default="3089,4117,5141,6163,7061",
                     help="decode positions for the attention-output error (not block-aligned: the prediction "
                          "then comes from an earlier token, as served)")
@@ -230,19 +216,18 @@ def main() -> None:
                                   "decoding, as a control (decode vs teacher-forced numerics)":
                                       generated_agreement(full, decode_prompts, gen)}}
     configs = [c.split(":") for c in a.configs.split(",")]
-    for method, alpha, budget in configs:
-        label = f"{method} alpha={alpha} budget={budget}"
+    for method, alpha, share in configs:
+        label = f"{method} alpha={alpha} share={share}"
         print(f"== {label}", flush=True)
-        env = {"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_ALPHA": alpha, "KVREEL_RETRIEVAL_BUDGET_TOKENS": budget,
-               "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens), "KVREEL_RETRIEVAL_WINDOW": str(a.window),
-               "KVREEL_RETRIEVAL_DEADLINE_MS": "1000"}
+        env = {"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_ALPHA": alpha, "KVREEL_RETRIEVAL_BUDGET_SHARE": share,
+               "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens), "KVREEL_RETRIEVAL_WINDOW": str(a.window)}
         results[label] = {"teacher_forced": agreement(ref, engine("score", [ids], a.chunk, env), a.min_tokens)}
         print(json.dumps(results[label]), flush=True)
         gen, full = decoded_and_scored(env)
         results[label]["decoding"] = generated_agreement(full, decode_prompts, gen)
         print(json.dumps(results[label]["decoding"]), flush=True)
         results[label]["attention_error"] = served_errors(
-            a.model, ids, method, float(alpha), int(budget), a.window,
+            a.model, ids, method, float(alpha), float(share), a.window,
             [int(x) for x in a.error_positions.split(",")])
         print(json.dumps(results[label]["attention_error"]), flush=True)
     name = a.name or f"retrieval_served_{Path(a.model).name}"
@@ -268,8 +253,8 @@ def _plot(name: str, results: dict) -> None:
         axes[1].scatter(ae["working_set_share_of_history"], ae["mean_error"], label=label + " (mean)")
         axes[1].scatter(ae["working_set_share_of_history"], ae["worst_head_error"], marker="x",
                         label=label + " (worst head)")
-    axes[0].axhline(97, color="grey", ls="--", lw=0.8)
-    axes[0].axvline(1 / 3, color="grey", ls="--", lw=0.8)
+    axes[0].axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 % top-1")
+    axes[0].axvline(1 / 8, color="grey", ls=":", lw=0.8, label="1/8 of the history")
     axes[0].set_xlabel("working set / history (kept blocks over layer-steps)")
     axes[0].set_ylabel("top-1 agreement with full attention (%)")
     axes[1].set_xlabel("working set / history")

@@ -320,7 +320,9 @@ def _vllm_status(md) -> str:
 def _retrieval_status(cfg) -> str:
     if cfg.retrieval == "off":
         return "off (KVREEL_RETRIEVAL=off)"
-    what = f"{cfg.retrieval}, alpha {cfg.retrieval_alpha}, from {cfg.retrieval_min_tokens} tokens (vLLM's CPU backend)"
+    what = (f"{cfg.retrieval}, from {cfg.retrieval_min_tokens} tokens, attending to "
+            f"{cfg.retrieval_budget_share:g} of the history (at most {cfg.retrieval_budget_tokens} tokens), "
+            f"alpha {cfg.retrieval_alpha} (vLLM's CPU backend)")
     if not cfg.dre_address:
         return f"{what}; DRE started by each worker"
     from kvreel.connector.retrieval.dre_service import DREClient, DREError
@@ -330,7 +332,8 @@ def _retrieval_status(cfg) -> str:
         client.close()
         return f"{what}; DRE at {cfg.dre_address} reachable"
     except (OSError, DREError, TimeoutError) as e:
-        return f"{what}; DRE at {cfg.dre_address} UNREACHABLE: {e} (attention stays full until it is up)"
+        return (f"{what}; DRE at {cfg.dre_address} UNREACHABLE: {e} (until it is up, long histories are "
+                "scored token by token, not narrowed by its clusters)")
 
 
 def _model_kv(model_dir: str, text: str, tokens: int):

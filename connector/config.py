@@ -173,20 +173,24 @@ SETTINGS: tuple[Setting, ...] = (
             "kvreel's connector; registered by kvreel's vLLM plugin (vLLM's CPU backend).",
             _one_of("off", "resv", "mosaic")),
     Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
-            "WiCSum ratio: per KV head, history is kept in descending predicted attention mass until this share "
-            "of it; 1 keeps all of it (with a budget that holds it, outputs identical to vLLM's).",
+            "WiCSum ratio: per KV head, history slabs are kept in the order the step's queries score them until "
+            "every query row holds this share of its (bounded) attention mass, or the budget is reached.",
             lambda v: 0 < v <= 1),
     _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Requests with fewer computed tokens keep all their KV in vLLM "
                  "and attend fully; so does every position below this, for every request.", 0, 1 << 30),
     _int_setting("RETRIEVAL_WINDOW", 256, "Local window: a long request's newest tokens (beyond the step's own), "
                  "kept in vLLM's cache and always attended to, as is the first block (attention sinks).",
                  0, 1 << 30),
+    Setting("RETRIEVAL_BUDGET_SHARE", float, 0.125, "a number in (0, 1]",
+            "Working set per long request and layer: at most this share of the history (sink block included) is "
+            "attended to in one step, chosen anew for every step's queries; 1 with a token budget that holds "
+            "the history keeps all of it (outputs identical to vLLM's).", lambda v: 0 < v <= 1),
+    _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a step scores exactly with its "
+                 "queries. A longer history is narrowed first by its DRE clusters (ranked by centroid), so a step's "
+                 "cost stops growing with the history; 0 scores every history token, every step.", 0, 1024),
     _int_setting("RETRIEVAL_BUDGET_TOKENS", 4096, "Working set per long request and layer: the most history "
-                 "tokens (sink block included) attended to in one step, held in kvreel's buffer beside vLLM's "
-                 "cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),
-    Setting("RETRIEVAL_DEADLINE_MS", float, 20.0, "a number of milliseconds in (0, 10000]",
-            "How long a layer waits for the DRE's prediction; later (or with the DRE down) it keeps its previous "
-            "working set (a first one: the most recent history).", lambda v: 0 < v <= 10000),
+                 "tokens (sink block included) attended to in one step, whatever the share; held in kvreel's "
+                 "buffer beside vLLM's cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),
     Setting("DRE_ADDRESS", _path_or_none, None, "a Unix-socket path or host:port (unset: the worker starts its own "
             "DRE on a private Unix socket)", "Where the DRE service listens (`kvreel dre --address ...`)."),
     Setting("DRE_SECRET_HEX", _hex_secret, None, "an even number of hex digits, at least 32",

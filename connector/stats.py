@@ -48,8 +48,9 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                    "Workflow prefetches of chunks from disk into the host tier, by result: issued, used (loaded "
                    "by a request), wasted (evicted unused), failed", ("result",)),
     "retrieval_steps": ("vllm:kvreel_retrieval_steps_total",
-                        "Attention calls of long sequences, by outcome: selected, or full attention because "
-                        "the DRE was late or down", ("outcome",)),
+                        "Attention calls of long sequences, by outcome: exact (all history kept), selected, or "
+                        "selected while the DRE was down (tokens it has not clustered are all scored)",
+                        ("outcome",)),
     "retrieval_history_blocks": ("vllm:kvreel_retrieval_history_blocks_total",
                                  "History blocks (between sinks and window) seen by retrieval attention", ()),
     "retrieval_kept_blocks": ("vllm:kvreel_retrieval_kept_blocks_total",
@@ -63,7 +64,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 # label values exported at zero from start-up, so a dashboard (or a person
 # reading /metrics) finds the series before the first event
 KNOWN_LABEL_VALUES = {"tier": tuple(t.value for t in Tier),
-                      "outcome": ("exact", "selected", "dre_late", "dre_down"),
+                      "outcome": ("exact", "selected", "dre_down"),
                       "how": ("clustered", "extended"),
                       "result": ("issued", "used", "wasted", "failed")}
 

@@ -54,7 +54,7 @@ class KVReelWorker:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
         if self.cfg.retrieval != "off":
             from kvreel.connector.retrieval.runtime import RetrievalRuntime
-            self.retrieval = RetrievalRuntime.get()
+            self.retrieval = RetrievalRuntime.get(self.cfg)
             self.retrieval.register_caches(kv_caches, kv_cache_config.kv_cache_groups[0].kv_cache_spec,
                                            max_batched_tokens)
             if len(self.pages.regions) != self.retrieval.num_layers:
@@ -241,8 +241,6 @@ class KVReelWorker:
         if self.retrieval is not None and meta.history is not None:
             for op in meta.history.appends:
                 self.retrieval.append_history(op.req_id, op.first_block, op.block_ids)
-            for req_id in {op.req_id for op in meta.history.appends}:
-                self.retrieval.compact(req_id)
         for op in meta.stores:
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)

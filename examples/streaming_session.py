@@ -52,15 +52,16 @@ def main() -> None:
     ap.add_argument("--alpha", default="0.8")
     ap.add_argument("--min-tokens", default="1024")
     ap.add_argument("--window", default="128")
-    ap.add_argument("--budget", default="512", help="working-set tokens (below the session's history, so "
-                                                    "retrieval selects; a history that fits is attended in full)")
+    ap.add_argument("--budget", default="512", help="working-set tokens at most (below the session's history, so "
+                                                    "retrieval selects)")
+    ap.add_argument("--share", default="0.125", help="working set: at most this share of the history")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", help="also write the per-turn figures here")
     a = ap.parse_args()
     # read by kvreel's vLLM plugin in every engine process: set before vLLM starts
     os.environ.update(KVREEL_RETRIEVAL=a.retrieval, KVREEL_RETRIEVAL_ALPHA=a.alpha,
                       KVREEL_RETRIEVAL_MIN_TOKENS=a.min_tokens, KVREEL_RETRIEVAL_WINDOW=a.window,
-                      KVREEL_RETRIEVAL_BUDGET_TOKENS=a.budget)
+                      KVREEL_RETRIEVAL_BUDGET_TOKENS=a.budget, KVREEL_RETRIEVAL_BUDGET_SHARE=a.share)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = a.model
     if model is None:

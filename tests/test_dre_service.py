@@ -1,4 +1,4 @@
-"""The DRE service in its own process: same answers as in-process ReSV, shared
+"""The DRE service in its own process: same labels as in-process ReSV and Mosaic, shared
 memory (or inline tensors across IPC namespaces) and JSON only, batching,
 shared-secret auth, death and restart."""
 
@@ -10,15 +10,13 @@ import pytest
 import torch
 
 from kvreel.connector.retrieval.dre_service import DREClient, DREError, DREProcess, put_tensor, take_tensor
-from kvreel.connector.retrieval.resv import cluster_keys, cluster_scores, frame_scores, hyperplanes, wicsum
+from kvreel.connector.retrieval.resv import cluster_keys, hyperplanes
 
 
-def data(T=600, D=64, R=48, seed=0):
+def data(T=600, D=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(16, D, generator=g) * 2
-    keys = centers[torch.randint(0, 16, (T,), generator=g)] + 0.5 * torch.randn(T, D, generator=g)
-    queries = centers[torch.randint(0, 16, (R,), generator=g)] + torch.randn(R, D, generator=g)
-    return keys, queries
+    return centers[torch.randint(0, 16, (T,), generator=g)] + 0.5 * torch.randn(T, D, generator=g)
 
 
 @pytest.fixture
@@ -30,57 +28,42 @@ def dre(tmp_path):
     proc.stop()
 
 
-def expected_mass(keys, queries, center=None):
-    """In process: each token's predicted share of the rows' attention (its
-    cluster's mean predicted mass, shared evenly by the cluster's tokens)."""
-    cl = cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center)
-    cmass = torch.softmax(frame_scores(cluster_scores(queries, cl)), -1)[0]
-    return cl, cmass[cl.labels] / cl.counts[cl.labels]
+def expected_labels(keys, center=None):
+    """In process: ReSV's HC table labels (the service's settings above)."""
+    return cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center).labels
 
 
-def test_service_answers_exactly_what_resv_computes_in_process(dre):
+def test_service_labels_exactly_what_resv_computes_in_process(dre):
     _, client = dre
-    keys, queries = data()
+    keys = data()
     reply = client.submit("cluster", handle="s0/3", keys=keys).result(10)
-    cl, mass = expected_mass(keys, queries)
-    assert torch.equal(reply["labels"], cl.labels.unsqueeze(0))
-    got = client.submit("mass", handle="s0/3", queries=queries, alpha=0.9).result(10)["mass"]
-    assert torch.allclose(got[0], mass) and got.shape == (1, len(keys))
-    assert got.sum().item() == pytest.approx(1.0, abs=1e-4)
+    want = expected_labels(keys)
+    assert torch.equal(reply["labels"], want.unsqueeze(0))
+    assert reply["clusters"] == int(want.max()) + 1
 
 
-def test_heads_are_predicted_separately(dre):
+def test_heads_are_clustered_separately(dre):
     _, client = dre
-    (k0, q0), (k1, q1) = data(seed=1), data(seed=2)
-    client.submit("cluster", handle="two", keys=torch.stack([k0, k1])).result(10)
-    got = client.submit("mass", handle="two", queries=torch.stack([q0, q1])).result(10)["mass"]
-    for h, (k, q) in enumerate(((k0, q0), (k1, q1))):
-        assert torch.allclose(got[h], expected_mass(k, q)[1])
+    k0, k1 = data(seed=1), data(seed=2)
+    got = client.submit("cluster", handle="two", keys=torch.stack([k0, k1])).result(10)["labels"]
+    assert torch.equal(got[0], expected_labels(k0)) and torch.equal(got[1], expected_labels(k1))
 
 
 def test_requests_in_flight_together_are_all_answered(dre):
     _, client = dre
-    handles = []
-    for i in range(4):
-        keys, _ = data(seed=i)
-        client.submit("cluster", handle=f"h{i}", keys=keys)
-        handles.append((f"h{i}", keys))
-    futs = []
-    for j in range(20):
-        name, keys = handles[j % 4]
-        _, queries = data(seed=100 + j)
-        futs.append((client.submit("mass", handle=name, queries=queries), keys, queries))
-    for fut, keys, queries in futs:
-        assert torch.allclose(fut.result(20)["mass"][0], expected_mass(keys, queries)[1])
+    futs = [(client.submit("cluster", handle=f"h{i}", keys=data(seed=i)), data(seed=i)) for i in range(12)]
+    for fut, keys in futs:
+        assert torch.equal(fut.result(20)["labels"][0], expected_labels(keys))
 
 
 def test_bad_requests_get_clear_errors_and_do_not_stop_the_service(dre, tmp_path):
     _, client = dre
-    _, queries = data()
     with pytest.raises(DREError, match="unknown handle"):
-        client.submit("mass", handle="nope", queries=queries, alpha=0.5).result(10)
+        client.submit("extend", handle="nope", keys=data(T=32)).result(10)
     with pytest.raises(DREError, match="unknown op"):
         client.submit("unpickle").result(10)
+    with pytest.raises(DREError, match="cluster wants method"):
+        client.submit("cluster", handle="x", keys=data(T=32), method="kmeans").result(10)
     raw = socket.socket(socket.AF_UNIX)            # a peer that sends an oversized header
     raw.connect(str(tmp_path / "dre.sock"))
     raw.sendall((1 << 30).to_bytes(4, "little") + bytes(4))
@@ -104,17 +87,17 @@ def test_shared_secret_is_required_and_checked(tmp_path):
 
 def test_a_dead_service_fails_pending_requests_and_is_restarted(dre):
     proc, client = dre
-    keys, queries = data()
-    client.submit("cluster", handle="h", keys=keys).result(10)
+    keys = data()
+    client.submit("cluster", handle="h", keys=keys[:320]).result(10)
     proc.proc.kill()
     proc.proc.wait(timeout=30)
     with pytest.raises(DREError, match="died|gone|unreachable"):
-        client.submit("mass", handle="h", queries=queries).result(10)
+        client.submit("extend", handle="h", keys=keys[320:]).result(10)
     fresh = proc.ensure(client)
     assert fresh is not client and proc.restarts == 1
     assert fresh.submit("ping").result(10)["ok"]
     with pytest.raises(DREError, match="unknown handle"):     # state is gone: the caller re-clusters
-        fresh.submit("mass", handle="h", queries=queries).result(10)
+        fresh.submit("extend", handle="h", keys=keys[320:]).result(10)
     fresh.close()
 
 
@@ -166,13 +149,12 @@ def test_a_service_in_another_ipc_namespace_gets_tensors_inline(dre):
         assert "listening" in proc.stdout.readline()
         client = DREClient(f"127.0.0.1:{port}")
         assert client.inline
-        keys, queries = data()
+        keys = data()
         before = set(glob.glob("/dev/shm/kvreel-dre-*"))
-        reply = client.submit("cluster", handle="x", keys=keys).result(10)
-        cl, mass = expected_mass(keys, queries)
-        assert torch.equal(reply["labels"], cl.labels.unsqueeze(0))
-        got = client.submit("mass", handle="x", queries=queries).result(10)["mass"]
-        assert torch.allclose(got[0], mass)
+        reply = client.submit("cluster", handle="x", keys=keys[:320]).result(10)
+        more = client.submit("extend", handle="x", keys=keys[320:]).result(10)
+        got = torch.cat([reply["labels"], more["labels"]], 1)
+        assert torch.equal(got, expected_labels(keys, center=keys[:320].mean(0)).unsqueeze(0))
         assert set(glob.glob("/dev/shm/kvreel-dre-*")) == before      # nothing went through shared memory
         client.close()
     finally:
@@ -194,35 +176,27 @@ def test_shared_memory_descriptors_are_checked():
         take_tensor({"at": 4, "shape": [2], "dtype": "float32"}, bytes(8))
 
 
-def test_mosaic_tables_predict_what_the_index_scores_in_process(dre):
+def test_mosaic_tables_label_what_the_index_holds_in_process(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
-    keys, queries = data(T=256)
+    keys = data(T=256)
     reply = client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
-    session = MosaicSession.build(keys.float(), 32)
-    owners = session.index.owners(len(keys))
-    assert torch.equal(reply["labels"][0], owners)
-    got = client.submit("mass", handle="m", queries=queries).result(30)["mass"][0]       # alpha 1: no splits
-    cmass = torch.softmax(session.index.scores(queries), -1).mean(0)
-    counts = torch.tensor([c.count for c in session.index.clusters], dtype=torch.float32)
-    assert torch.allclose(got, cmass[owners] / counts[owners])
+    assert torch.equal(reply["labels"][0], MosaicSession.build(keys.float(), 32).index.owners(len(keys)))
 
 
-def test_extended_tables_answer_as_tables_of_the_whole_history(dre):
+def test_extended_tables_label_as_tables_of_the_whole_history(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
-    keys, queries = data(T=608)
-    cl, mass = expected_mass(keys, queries, center=keys[:320].mean(0))    # centred as first seen
+    keys = data(T=608)
     labels = [client.submit("cluster", handle="r", keys=keys[:320])]
     for start in range(320, 608, 32):                       # a session growing block by block
         labels.append(client.submit("extend", handle="r", keys=keys[start:start + 32]))
-    assert torch.equal(torch.cat([f.result(10)["labels"] for f in labels], 1)[0], cl.labels)
-    assert torch.allclose(client.submit("mass", handle="r", queries=queries).result(10)["mass"][0], mass)
+    want = expected_labels(keys, center=keys[:320].mean(0))    # centred as first seen
+    assert torch.equal(torch.cat([f.result(10)["labels"] for f in labels], 1)[0], want)
     with pytest.raises(DREError, match="unknown handle 'nope'"):
         client.submit("extend", handle="nope", keys=keys[:32]).result(10)
     with pytest.raises(DREError, match="keys of 1 heads"):
         client.submit("extend", handle="r", keys=torch.stack([keys[:32], keys[:32]])).result(10)
-    assert torch.allclose(client.submit("mass", handle="r", queries=queries).result(10)["mass"][0], mass)
 
     client.submit("cluster", handle="m", keys=keys[:320], method="mosaic", segment=32)
     new = client.submit("extend", handle="m", keys=keys[320:]).result(30)["labels"][0]
@@ -231,10 +205,11 @@ def test_extended_tables_answer_as_tables_of_the_whole_history(dre):
     assert torch.equal(new, session.index.owners(608)[320:])
 
 
-def test_mosaic_splits_pending_on_clusters_about_to_be_fetched_are_applied(dre):
+def test_mosaic_splits_pending_on_fetched_clusters_are_applied(dre):
     """A cluster whose spread grew (two groups of new tokens on either side of it)
-    is split when the worker is about to fetch it (it holds the top alpha of the
-    predicted mass), and the reply carries every token's new label."""
+    is split once the worker says it has been reading it (Mosaic's deferred
+    split), and the reply carries every token's new label; a cluster with a
+    pending split that nobody reads stays whole."""
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre
     g = torch.Generator().manual_seed(0)
@@ -243,21 +218,21 @@ def test_mosaic_splits_pending_on_clusters_about_to_be_fetched_are_applied(dre):
     d = torch.nn.functional.normalize(torch.randn(64, generator=g), dim=0)
     side = torch.where(torch.arange(96) % 2 == 0, 1.0, -1.0).unsqueeze(1)
     new = centers[0] + side * 0.3 * d + 0.05 * torch.randn(96, 64, generator=g)
-    queries = centers[0] + 0.1 * torch.randn(8, 64, generator=g)
     client.submit("cluster", handle="m", keys=base, method="mosaic", segment=32)
-    client.submit("extend", handle="m", keys=new).result(30)
     session = MosaicSession.build(base, 32)
-    session.extend(new)
-    before = session.index.owners(416)
-    cmass = torch.softmax(session.index.scores(queries), -1).mean(0)
-    fetched = torch.nonzero(wicsum(cmass.log().unsqueeze(0), 0.5)[0]).flatten()
-    pending = [i for i in fetched.tolist() if session.index.clusters[i].split_pending]
+    session.extend(new[:64])
+    pending = [i for i, c in enumerate(session.index.clusters) if c.split_pending]
     assert pending                                            # the data leaves one to split
-    reply = client.submit("mass", handle="m", queries=queries, alpha=0.5).result(30)
+    unread = torch.tensor([[i for i in range(len(session.index.clusters)) if i not in pending]])
+    assert "relabelled" not in client.submit("extend", handle="m", keys=new[:64], fetched=unread).result(30)
+    before = session.index.owners(384)
+    reply = client.submit("extend", handle="m", keys=new[64:], fetched=torch.tensor([pending])).result(30)
+    session.extend(new[64:])
     session.after_fetch(torch.tensor(pending))
-    assert torch.equal(reply["labels"][0], session.index.owners(416))
-    assert not torch.equal(reply["labels"][0], before)
-    assert "labels" not in client.submit("mass", handle="m", queries=queries, alpha=1.0).result(30)
+    assert torch.equal(reply["relabelled"][0], session.index.owners(416))
+    assert not torch.equal(reply["relabelled"][0, :384], before)
+    with pytest.raises(DREError, match="fetched wants cluster ids"):
+        client.submit("extend", handle="m", keys=new[:0], fetched=torch.tensor([1, 2])).result(30)
 
 
 def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):

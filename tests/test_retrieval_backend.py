@@ -18,7 +18,8 @@ BS, H, G, D = 32, 2, 2, 64
 def setup(tiny_model, monkeypatch):
     monkeypatch.delenv("KVREEL_TEST_MODEL_CACHE", raising=False)    # not a kvreel setting
     for k, v in {"KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_ALPHA": "1", "KVREEL_RETRIEVAL_MIN_TOKENS": "64",
-                 "KVREEL_RETRIEVAL_WINDOW": "32", "KVREEL_RETRIEVAL_BUDGET_TOKENS": "1024"}.items():
+                 "KVREEL_RETRIEVAL_WINDOW": "32", "KVREEL_RETRIEVAL_BUDGET_TOKENS": "1024",
+                 "KVREEL_RETRIEVAL_BUDGET_SHARE": "1"}.items():
         monkeypatch.setenv(k, v)
     from vllm.config import KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
 
@@ -158,47 +159,117 @@ def test_each_step_finds_its_own_long_rows(setup):
     assert torch.equal(got, want)
 
 
-def test_selected_history_is_what_attention_reads(setup):
-    from kvreel.connector.retrieval.runtime import WorkingSet
+def test_each_step_attends_to_what_its_own_queries_select(setup):
+    """With a budget below the history, every step scores the history with its own
+    queries and attends to exactly the sink block, the tokens it chose and the
+    resident blocks; a query that points at one key gets that key's token."""
+    import dataclasses
+
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    from kvreel.connector.retrieval.runtime import select_tokens
     impl, runtime = setup
     g = torch.Generator().manual_seed(1)
     layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
     _offload(runtime, cache, meta, 0, "r", blocks=14)
-    runtime.exact, runtime.budget_pages = False, 8    # alpha < 1, history past the budget: predictions choose (here: given)
-    runtime._started = runtime._restarting = True           # and no DRE: the working set stays as filled
-    lh = runtime.histories["r"].layers[0]
-    keep = torch.tensor([[2, 7, 11], [4, 7, 12]])         # per head: slabs (history blocks 3, 8, 12 / 5, 8, 13)
-    slot = runtime._slot("r")
-    ws = runtime.working["r", 0] = WorkingSet(runtime._slot_view(0, slot), slot)
-    runtime._fill(ws, lh, keep, prediction=5)
-    _check_attends(impl, layer, cache, meta, query, keep)
-    assert ws.slabs is not None and torch.equal(ws.slabs, keep)          # nothing replaced it
-    # a new choice: slabs that stay keep their pages, the rest are copied in (more, then fewer slabs)
-    for nxt in (torch.tensor([[11, 5, 2, 9], [10, 4, 0, 12]]), torch.tensor([[9, 3], [0, 6]])):
-        before = ws.slabs.clone()
-        runtime._fill(ws, lh, nxt, prediction=6)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.5)
+    hist = runtime.histories["r"]
+    assert not runtime.clusters_for(hist)                    # too short for the DRE: every token is scored
+    assert runtime.kept_tokens(hist.num_blocks) == 6 * BS
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
+    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    for needle in (3 * BS + 7, 11 * BS + 30, 6 * BS):          # the history token each step's query points at
+        q = torch.randn(query.shape, generator=g).bfloat16()
+        q[0, :G] = (keys[needle, 0] * 8).bfloat16()              # head 0's query rows
+        ws = _check_attends(impl, layer, cache, meta, q, "r")
+        hist_keys = keys[BS:14 * BS].transpose(0, 1)             # [H, tokens after the sink, D]
+        want = select_tokens(q[0].float().view(H, G, D), hist_keys, 0.9, 6 * BS, BS) + BS
         for h in range(H):
-            assert sorted(ws.slabs[h].tolist()) == sorted(nxt[h].tolist())
-            for i, slab in enumerate(before[h, :nxt.shape[1]].tolist()):
-                if slab in nxt[h].tolist():
-                    assert int(ws.slabs[h, i]) == slab
-        _check_attends(impl, layer, cache, meta, query, ws.slabs)
-    assert runtime.take_stats().data["retrieval_steps|dre_down"] == 3
+            held = ws.held[h, :ws.m * BS]
+            assert sorted(held.tolist()) == sorted(list(range(BS)) + want[h].tolist())
+        assert needle in ws.held[0, :ws.m * BS].tolist()
+    assert runtime.take_stats().data["retrieval_steps|selected"] == 3
 
 
-def _check_attends(impl, layer, cache, meta, query, keep) -> None:
-    """float32 attention over exactly: the sink block, the kept slabs of each head
-    (slab i = history block i + 1), the resident blocks 14-16."""
+def test_a_new_choice_keeps_the_places_of_tokens_that_stay(setup):
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(5)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    lh = runtime.histories["r"].layers[0]
+    runtime.working_set("r", 0, query[0].view(H, G, D))          # a first working set (all: exact)
+    ws = runtime.working["r", 0]
+    unpack = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack
+    for n_pages in (5, 7, 3):                                    # a choice, a larger one, a smaller one
+        want = torch.stack([torch.randperm(14 * BS, generator=g)[:n_pages * BS] for _ in range(H)])
+        before = ws.held.clone()
+        runtime._fill(ws, lh, want)
+        assert ws.m == n_pages
+        k, v = unpack(ws.buffer[:n_pages])                     # [n_pages bs, H, D], page position order
+        for h in range(H):
+            held = ws.held[h, :n_pages * BS]
+            assert sorted(held.tolist()) == sorted(want[h].tolist())
+            stayed = torch.isin(before[h, :n_pages * BS], want[h])
+            assert torch.equal(held[stayed], before[h, :n_pages * BS][stayed])       # kept its place
+            assert torch.equal(k[:, h], lh.keys[h, held]) and torch.equal(v[:, h], lh.values[h, held])
+
+
+def _check_attends(impl, layer, cache, meta, query, req_id):
+    """Runs the layer; its output must be float32 attention over exactly: the
+    history tokens the working set holds for each head, then the resident
+    blocks 14-16. The working set."""
     from kvreel.connector.retrieval.page_packing import PagePacking
     out = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, out)
+    ws = impl.runtime.working[req_id, 0]
     pages = cache.view(cache.shape[0], H, 2 * BS, D)
     k_all, v_all = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
     end = int(meta.seq_lens[0])
     for h in range(H):
-        blocks = [0] + [s + 1 for s in keep[h].tolist()] + [14, 15, 16]
-        tokens = torch.cat([torch.arange(b * BS, min((b + 1) * BS, end)) for b in blocks])
+        tokens = torch.cat([ws.held[h, :ws.m * BS], torch.arange(14 * BS, end)])
         k, v = k_all[tokens, h].float(), v_all[tokens, h].float()
         q = query[0, h * G:(h + 1) * G].float()
         w = torch.softmax(q @ k.T * D ** -0.5, dim=-1)
         assert torch.allclose(out[0, h * G:(h + 1) * G].float(), w @ v, atol=2e-2, rtol=2e-2)
+    return ws
+
+
+def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
+    """Past ``KVREEL_RETRIEVAL_CANDIDATES`` x the budget, only the tokens of the
+    clusters the queries rank best are scored: the DRE (a process the runtime
+    starts) labels the history, the labels are applied on the attention
+    thread, and a query that points at one key still gets its token."""
+    import dataclasses
+    import time
+
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(7)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
+                                      retrieval_candidates=2)
+    hist = runtime.histories["r"]
+    lh = hist.layers[0]
+    assert runtime.clusters_for(hist) and runtime.kept_tokens(hist.num_blocks) == 3 * BS
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
+    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    q = torch.randn(query.shape, generator=g).bfloat16()
+    q[0, :G] = (keys[9 * BS + 4, 0] * 8).bfloat16()
+    _check_attends(impl, layer, cache, meta, q, "r")          # asks the DRE to cluster: nothing labelled yet
+    assert 9 * BS + 4 in runtime.working["r", 0].held[0].tolist()
+    deadline = time.monotonic() + 60
+    while bool((lh.labels < 0).any()):
+        assert time.monotonic() < deadline, "the DRE's labels did not come"
+        time.sleep(0.05)
+        runtime._take_labels()
+    assert int(lh.counts.sum()) == H * 13 * BS
+    narrowed = lh.candidates(q[0].float().view(H, G, D), 6 * BS)
+    assert narrowed.shape == (H, 6 * BS)
+    ws = _check_attends(impl, layer, cache, meta, q, "r")
+    for h in range(H):
+        chosen = ws.held[h, BS:ws.m * BS]
+        assert bool(torch.isin(chosen, narrowed[h]).all())    # only candidates were scored
+    assert 9 * BS + 4 in ws.held[0].tolist()
+    stats = runtime.take_stats().data
+    assert stats["retrieval_steps|selected"] == 2 and stats["dre_tables|clustered"] == 1

@@ -1,6 +1,6 @@
 """The pieces of history offload, outside an engine: vLLM's page packing
-learned from its own op, the per-head slab history and its cluster-ordered
-rebuild, slab selection, and the KV cache manager that frees what kvreel holds."""
+learned from its own op, the per-head token history and its DRE
+clusters, per-query token selection, and the KV cache manager that frees what kvreel holds."""
 
 from __future__ import annotations
 
@@ -53,55 +53,71 @@ def history(blocks=12, seed=0):
     return lh, k, v
 
 
-def test_history_keeps_the_sink_apart_and_hands_the_keys_to_the_dre():
+def test_history_holds_every_token_in_order_and_hands_the_keys_after_the_sink_to_the_dre():
     lh, k, v = history()
     pages = pages_of(k, v)
     keys = lh.append(pages[:5], 0)
     more = lh.append(pages[5:], 5)
-    assert torch.equal(lh.sink, pages[0]) and lh.n_slabs == 11 and lh.num_tokens == 11 * BS
+    assert lh.num_tokens == 12 * BS
     assert torch.equal(torch.cat([keys, more], 1), k[BS:].transpose(0, 1).float())
-    assert torch.equal(lh.keys(), k[BS:].transpose(0, 1).float())
-    # slab s of head h is head h's share of page s + 1, byte for byte
-    assert torch.equal(lh.slabs[1, 3], pages[4, 1]) and lh.tokens[0, 3].tolist() == list(range(4 * BS, 5 * BS))
+    assert torch.equal(lh.dre_keys(), k[BS:].transpose(0, 1).float())
+    assert torch.equal(lh.keys[:, :lh.num_tokens].view(torch.int16), k.transpose(0, 1).view(torch.int16))
+    assert torch.equal(lh.values[:, :lh.num_tokens].view(torch.int16), v.transpose(0, 1).view(torch.int16))
+    with pytest.raises(ValueError, match="history holds 384 tokens, got blocks from 3"):
+        lh.append(pages[:1], 3)
 
 
-def test_compaction_orders_each_heads_tokens_by_cluster_and_keeps_every_byte():
-    lh, k, v = history()
+def test_clusters_follow_the_labels_and_rank_the_candidates():
+    """Centroids are the labelled keys' means, also after every label changed (a
+    Mosaic split); candidates are the tokens of the clusters the rows rank best,
+    unlabelled tokens first."""
+    lh, k, v = history(blocks=6)
     lh.append(pages_of(k, v), 0)
     g = torch.Generator().manual_seed(1)
-    labels = torch.randint(0, 5, (H, lh.num_tokens), generator=g)
-    lh.set_labels(BS, labels)
-    assert lh.unsorted_share() == 1.0
-    lh.compact()
-    assert lh.unsorted_share() == 0.0 and lh.version == 1
+    labels = torch.randint(0, 4, (H, 5 * BS), generator=g)
+    lh.set_labels(BS, labels[:, :3 * BS])                       # the DRE labels in pieces, in order
+    lh.set_labels(4 * BS, labels[:, 3 * BS:])
+    keys = k[BS:].transpose(0, 1).float()
     for h in range(H):
-        tokens = lh.tokens[h, :lh.n_slabs].flatten()
-        got = labels[h, tokens - BS]
-        assert torch.equal(got, torch.sort(got).values)                       # clusters are consecutive
-        assert sorted(tokens.tolist()) == list(range(BS, 12 * BS))            # every token, once
-        for c in range(5):                                                    # token order inside a cluster
-            inside = tokens[got == c]
-            assert torch.equal(inside, torch.sort(inside).values)
-        kk, vv = packing().unpack(lh.slabs[h, :lh.n_slabs].unsqueeze(1))
-        assert torch.equal(kk[:, 0], k[tokens, h]) and torch.equal(vv[:, 0], v[tokens, h])
+        for c in range(4):
+            members = keys[h][labels[h] == c]
+            assert int(lh.counts[h, c]) == len(members)
+            assert torch.allclose(lh.sums[h, c], members.sum(0), atol=1e-3)
+    relabelled = (labels + 1) % 5                                # a split: every label anew, one more cluster
+    lh.set_labels(BS, relabelled)
+    assert torch.allclose(lh.sums[0, 4], keys[0][relabelled[0] == 4].sum(0), atol=1e-3)
+    assert int(lh.counts.sum()) == H * 5 * BS
+    # a row that points at cluster 2's centroid of head 0 gets cluster 2's tokens first
+    q = torch.zeros(H, 3, D)
+    q[0, 1] = lh.sums[0, 2] / lh.counts[0, 2] * 4
+    cand = lh.candidates(q, int(lh.counts[0, 2]))
+    assert sorted(cand[0].tolist()) == (torch.nonzero(relabelled[0] == 2).flatten() + BS).tolist()
+    fresh, _, _ = history(blocks=6)
+    fresh.append(pages_of(k, v), 0)
+    fresh.set_labels(BS, labels[:, :2 * BS])                     # the rest not labelled yet: candidates first
+    assert sorted(fresh.candidates(q, 3 * BS)[1].tolist()) == list(range(3 * BS, 6 * BS))
 
 
-def test_slab_mass_sums_token_mass_and_selection_follows_it():
-    from kvreel.connector.retrieval.runtime import select_slabs
-    lh, k, v = history(blocks=5)
-    lh.append(pages_of(k, v), 0)
-    mass = torch.zeros(H, lh.num_tokens)
-    mass[0, 2 * BS:3 * BS] = 0.6 / BS          # head 0: slab 2 then slab 0
-    mass[0, :BS] = 0.3 / BS
-    mass[0, BS:2 * BS] = 0.1 / BS
-    mass[1, 3 * BS] = 1.0                      # head 1: one token of slab 3 carries everything
-    slab = lh.slab_mass(mass)
-    assert torch.allclose(slab[0], torch.tensor([0.3, 0.1, 0.6, 0.0]), atol=1e-6)
-    kept = select_slabs(slab, alpha=0.85, budget=10)
-    assert kept[0].tolist() == [2, 0] and kept[1].tolist()[0] == 3 and kept.shape == (H, 2)   # padded to one count
-    assert select_slabs(slab, alpha=0.85, budget=1).tolist() == [[2], [3]]                  # the budget caps
-    newest = select_slabs(slab, alpha=0.5, budget=10, unscored=1)                          # slab 3 is too new
-    assert newest[0].tolist()[0] == 3 and 2 in newest[0].tolist()
+def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():
+    """Per-query selection: in a prefill chunk of 100 rows, one row (a question)
+    looks for token 300; the other 99 spread their attention over tokens 0-63.
+    A chunk average ranks token 300 below all of them; per row it is kept."""
+    from kvreel.connector.retrieval.runtime import select_tokens
+    g = torch.Generator().manual_seed(2)
+    keys = torch.nn.functional.normalize(torch.randn(H, 320, D, generator=g), dim=-1)
+    common = keys[:, :1]
+    keys[:, :64] = common + 0.01 * torch.randn(H, 64, D, generator=g)    # tokens 0-63: one direction
+    queries = torch.zeros(H, 100, D)
+    queries[:, :99] = common * 60                                      # spread evenly over tokens 0-63
+    queries[:, 99] = keys[:, 300] * 60                                 # the needle
+    kept = select_tokens(queries, keys, alpha=0.9, count=64, unit=BS)
+    assert kept.shape == (H, 64) and all(300 in row for row in kept.tolist())
+    average = torch.softmax(torch.bmm(queries, keys.transpose(1, 2)) * D ** -0.5, -1).mean(1)
+    assert bool((average[:, 300:301] < average[:, :64]).all())
+    # alpha stops early, in whole pages: one row wanting one token needs one page
+    one = select_tokens(queries[:, 99:], keys, alpha=0.5, count=256, unit=BS)
+    assert one.shape == (H, BS) and bool((one[:, 0] == 300).all())
+    assert select_tokens(queries, keys, alpha=1.0, count=256, unit=BS).shape == (H, 256)     # the budget caps
 
 
 def test_the_manager_frees_only_what_kvreel_holds_outside_the_window():

@@ -3,7 +3,8 @@ random Llama): with ``KVREEL_RETRIEVAL`` a request's history leaves vLLM's
 paged cache for kvreel once it is past the threshold, so a 40-block cache
 (1 280 tokens) serves sessions of 3 000+ tokens.
 
-* alpha = 1 with a budget that holds the history: token ids and logprobs
+* alpha = 1 with a budget that holds the history (a share of 1, enough
+  tokens): token ids and logprobs
   bit-identical to vLLM holding the session in its own (large) cache, also
   after an engine restart, when the history comes back from the disk tier;
   a damaged history chunk costs a recompute, never a wrong token;
@@ -28,8 +29,7 @@ SMALL = 40                              # blocks of 32 tokens in vLLM's cache
 
 
 def retrieval(**kw) -> dict:
-    env = {"KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "256", "KVREEL_RETRIEVAL_WINDOW": "64",
-           "KVREEL_RETRIEVAL_DEADLINE_MS": "2000"}
+    env = {"KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "256", "KVREEL_RETRIEVAL_WINDOW": "64"}
     env.update({f"KVREEL_RETRIEVAL_{k.upper()}": str(v) for k, v in kw.items()})
     return env
 
@@ -46,7 +46,7 @@ def test_alpha_one_is_bit_identical_with_a_cache_smaller_than_the_session(tiny_m
     corrupt = (f"shell:python -c \"import pathlib\nfor p in pathlib.Path('{disk}').rglob('*.kvr'):\n"
                "    b = bytearray(p.read_bytes()); b[-100] ^= 0xFF; p.write_bytes(bytes(b))\"")
     got = run_scenario({"model": tiny_model, **ENGINE, "num_blocks": SMALL,
-                        "env": retrieval(alpha=1, budget_tokens=4096),
+                        "env": retrieval(alpha=1, budget_share=1, budget_tokens=4096),
                         "kvreel": {"cpu_bytes": "256MiB", "disk_dir": str(disk)}, "phases": [
                             {"prompts": [LONG, SHORT], "max_tokens": 24},
                             # a new engine: the session's history comes back from the disk tier
@@ -65,10 +65,12 @@ def test_alpha_one_is_bit_identical_with_a_cache_smaller_than_the_session(tiny_m
 
 
 def test_small_budget_completes_survives_a_dre_kill_and_preemption(tiny_model, reference):
+    # retrieval set only in kv_connector_extra_config: it must reach the attention layers as the env does
+    # (a higher threshold: sessions admitted together outgrow the cache before it)
+    settings = {k.removeprefix("KVREEL_").lower(): v
+                for k, v in retrieval(alpha=0.5, budget_tokens=512, min_tokens=512).items()}
     got = run_scenario({"model": tiny_model, **ENGINE, "num_blocks": SMALL, "max_num_seqs": 3,
-                        # a higher threshold: sessions admitted together outgrow the cache before it
-                        "env": retrieval(alpha=0.5, budget_tokens=512, min_tokens=512),
-                        "kvreel": {"cpu_bytes": "256MiB"},
+                        "kvreel": {"cpu_bytes": "256MiB", **settings},
                         "phases": [
                             {"prompts": [LONG, SHORT], "max_tokens": 24},
                             {"before": "kill:kvreel.connector.retrieval.dre_service", "prompts": [LONG2],

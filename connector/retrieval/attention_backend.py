@@ -29,6 +29,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from kvreel.connector.retrieval.plugin import engine_settings
 from kvreel.connector.retrieval.runtime import RetrievalRuntime, layer_index
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         from vllm.config import get_current_vllm_config
-        self.runtime = RetrievalRuntime.get()
-        self.runtime.configure_engine(get_current_vllm_config())
+        config = get_current_vllm_config()
+        self.runtime = RetrievalRuntime.get(engine_settings(config))
+        self.runtime.configure_engine(config)
         self.layer_index: int | None = None
         self._rows_of: tuple[int, object, dict[int, str]] | None = None    # (step, its metadata, row -> request)
 
@@ -99,7 +101,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         for r, req_id in long_rows.items():
             q = query[qsl[r]:qsl[r + 1]]
             grouped = q.reshape(q.shape[0], H, G, -1).permute(1, 0, 2, 3).reshape(H, q.shape[0] * G, -1)
-            ws = rt.working_set(req_id, self.layer_index, grouped, decoding=q.shape[0] == 1)
+            ws = rt.working_set(req_id, self.layer_index, grouped)
             hist = rt.histories[req_id]
             seq_len = int(meta.seq_lens[r])
             resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()
@@ -151,19 +153,21 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
 
 
 class RetrievalCPUAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend whose long requests' history lives in kvreel."""
+    """vLLM's CPU attention backend whose long requests' history lives in kvreel;
+    vLLM's own, unchanged, in an engine without kvreel's retrieval."""
 
     @staticmethod
-    def get_impl_cls() -> type[RetrievalAttentionImpl]:
-        return RetrievalAttentionImpl
+    def get_impl_cls() -> type[CPUAttentionBackendImpl]:
+        from vllm.config import get_current_vllm_config
+        return RetrievalAttentionImpl if engine_settings(get_current_vllm_config()) else CPUAttentionBackendImpl
 
     @classmethod
     def customize_spec(cls, spec):
         """Full-attention layers report ``OffloadedHistorySpec`` (with kvreel's
-        connector attached; the layers' impls noted the engine's settings)."""
+        retrieval on; the layers' impls noted the engine's settings)."""
         spec = super().customize_spec(spec)
-        rt = RetrievalRuntime.get()
-        if type(spec) is not FullAttentionSpec or spec.sliding_window is not None or not rt.offloading:
+        rt = RetrievalRuntime.instance()
+        if rt is None or type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
             return spec
         from kvreel.connector.retrieval.offload import offloaded_spec
         cfg = rt.cfg

@@ -1,5 +1,9 @@
-"""The DRE: ReSV's prediction work (hashing, Hamming clustering, WiCSum) as an
-asynchronous co-processor service in its own process.
+"""The DRE: the expensive part of retrieval (ReSV's hash-bit clustering, Mosaic's
+nested k-means, online assignment and splits) as an asynchronous co-processor
+service in its own process. It never sits on a step's critical path: it labels
+each history token with its cluster, and the worker rebuilds the history's
+slabs in cluster order with those labels; every step's selection is made in
+the worker from the step's own queries (``kvreel.connector.retrieval.runtime``).
 
 Wire: a Unix-domain socket (or TCP on 127.0.0.1 unless told otherwise) carrying
 length-prefixed frames: a JSON message and the raw bytes of its tensors. When
@@ -19,18 +23,16 @@ Requests (each answered once, in any order, matched by ``id``), one table per
   ``labels`` ``[heads, T]``.
 * ``extend``   the keys of the tokens that follow the table's history -> the
   grown table (ReSV hashes only the new tokens, Mosaic assigns them online);
-  reply: their ``labels`` ``[heads, n]``.
-* ``mass``     queries ``[heads, R, D]`` -> each history token's predicted share
-  of the rows' attention ``mass`` ``[heads, T]`` (its cluster's predicted mass,
-  shared by the cluster's tokens). Mosaic splits pending on the clusters that
-  hold the top ``alpha`` of it are applied (they are about to be fetched); the
-  reply then carries every token's new ``labels``.
+  reply: their ``labels`` ``[heads, n]``. With Mosaic, ``fetched``
+  ``[heads, F]`` (cluster ids, -1 padding) names the clusters the worker has
+  been reading: their pending splits are applied now (their keys were needed
+  anyway, Mosaic's deferred split), and the reply's ``relabelled``
+  ``[heads, T]`` gives every token's new label.
 * ``drop``     forget a handle;  ``ping``  liveness.
 
 Requests that arrive together are served as one batch (the service drains its
-socket before computing). ``DREClient.submit`` returns a future; the caller
-waits as long as attention can afford and falls back to full attention when the
-answer is late or the service died (``DREProcess`` restarts it).
+socket before computing). ``DREClient.submit`` returns a future; a dead service
+fails it, and ``DREProcess`` restarts the service.
 """
 
 from __future__ import annotations
@@ -57,18 +59,17 @@ import numpy as np
 import torch
 
 from kvreel.connector.retrieval.mosaic import MosaicSession
-from kvreel.connector.retrieval.resv import (Clusters, cluster_keys, cluster_scores, extend_clusters, frame_scores,
-                                             hyperplanes, wicsum_bucketed)
+from kvreel.connector.retrieval.resv import Clusters, cluster_keys, extend_clusters, hyperplanes
 
 logger = logging.getLogger(__name__)
 _FRAME = struct.Struct("<II")    # JSON bytes, inline tensor bytes
 MAX_MESSAGE = 1 << 20            # the JSON part; tensors travel beside it
 MAX_TENSOR_BYTES = 1 << 30
-# ReSV hash bits (centred keys). More bits make smaller clusters, so the slabs a
-# selection fetches hold fewer unwanted tokens, for a larger table to score; 16
-# is the setting measured as served in bench/retrieval_served.py (>= 97 % top-1
-# on SmolLM2-135M at a working set of 1/3 of the history; 14 fell short).
-HASH_BITS = 16
+# ReSV hash bits (centred keys). The clusters narrow a long history to the tokens
+# a step scores exactly (``LayerHistory.candidates``): ranking them must cost far
+# less than scoring every token, so a layer has at most 2^bits of them; on
+# SmolLM2-135M's keys 16 bits left nearly one cluster per token.
+HASH_BITS = 12
 DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "bool": np.bool_}
 
 
@@ -197,8 +198,8 @@ def _proof(secret: bytes, nonce: str) -> str:
 class DREService:
     """Holds HC tables per handle and answers requests in batches."""
 
-    def __init__(self, bits: int = HASH_BITS, hamming: int = 0, device: str = "cpu", secret: bytes | None = None):
-        self.bits, self.hamming, self.device, self.secret = bits, hamming, torch.device(device), secret
+    def __init__(self, bits: int = HASH_BITS, hamming: int = 0, secret: bytes | None = None):
+        self.bits, self.hamming, self.secret = bits, hamming, secret
         self.tables: dict[str, object] = {}
         self._planes: dict[int, torch.Tensor] = {}
 
@@ -213,44 +214,34 @@ class DREService:
         if op in ("cluster", "extend"):
             keys = _head_keys(msg)
             handle = str(msg.get("handle"))
+            split = False
             if op == "cluster":
                 method = str(msg.get("method", "resv"))
                 if method not in ("resv", "mosaic"):
                     raise DREError(f"cluster wants method resv|mosaic, got {method[:20]!r}")
                 segment = max(1, int(msg.get("segment", 32)))
-                tables = [cluster_keys(k, self._planes_for(k), self.hamming).to(self.device) if method == "resv"
+                tables = [cluster_keys(k, self._planes_for(k), self.hamming) if method == "resv"
                           else MosaicSession.build(k, segment) for k in keys]
                 first = 0
             else:
                 tables, first = self._table(handle)
                 if keys.shape[0] != len(tables):
                     raise DREError(f"extend wants keys of {len(tables)} heads, got {tuple(keys.shape)}")
+                fetched = _fetched(msg, len(tables))
                 for i, (k, table) in enumerate(zip(keys, tables)):
                     if isinstance(table, Clusters):
                         tables[i] = extend_clusters(table, k, self._planes_for(k), self.hamming)
                     else:
                         table.extend(k)
+                        if fetched is not None:
+                            split |= table.after_fetch(fetched[i][(fetched[i] >= 0)
+                                                                  & (fetched[i] < len(table.index.clusters))])
             n_tokens = first + keys.shape[1]
             self.tables[handle] = (tables, n_tokens)
-            labels = torch.stack([_owners(t, n_tokens)[first:] for t in tables])
-            return {"ok": True, "clusters": sum(_num_clusters(t) for t in tables), "labels": labels}
-        if op == "mass":
-            tables, n_tokens = self._table(str(msg.get("handle")))
-            queries = _tensor(msg, "queries").to(self.device, torch.float32)
-            queries = queries.unsqueeze(0) if queries.dim() == 2 else queries
-            if queries.dim() != 3 or queries.shape[0] != len(tables):
-                raise DREError(f"mass wants queries [{len(tables)} heads, R, D], got {tuple(queries.shape)}")
-            alpha = float(msg.get("alpha", 1.0))
-            masses, relabelled = [], False
-            for q, table in zip(queries, tables):
-                owner = _owners(table, n_tokens)
-                mass = _token_mass(table, q, owner)
-                if isinstance(table, MosaicSession) and alpha < 1:
-                    relabelled |= _split_fetched(table, mass, owner, alpha)
-                masses.append(mass)
-            reply = {"ok": True, "mass": torch.stack(masses)}
-            if relabelled:
-                reply["labels"] = torch.stack([_owners(t, n_tokens) for t in tables])
+            reply = {"ok": True, "clusters": sum(_num_clusters(t) for t in tables),
+                     "labels": torch.stack([_owners(t, n_tokens)[first:] for t in tables])}
+            if split:
+                reply["relabelled"] = torch.stack([_owners(t, n_tokens) for t in tables])
             return reply
         raise DREError(f"unknown op {str(op)[:40]!r}")
 
@@ -261,7 +252,6 @@ class DREService:
         return entry
 
     def _planes_for(self, keys: torch.Tensor) -> torch.Tensor:
-        # scoring and WiCSum run on the service's device (a GPU: torch kernels); hashing on the CPU
         return self._planes.setdefault(keys.shape[1], hyperplanes(keys.shape[1], self.bits, seed=1))
 
     def serve(self, address: str, parent_pid: int | None = None) -> None:
@@ -345,33 +335,18 @@ def _head_keys(msg: dict) -> torch.Tensor:
     return keys
 
 
+def _fetched(msg: dict, heads: int) -> torch.Tensor | None:
+    if msg.get("fetched") is None:
+        return None
+    fetched = _tensor(msg, "fetched").long()
+    if fetched.dim() != 2 or fetched.shape[0] != heads:
+        raise DREError(f"fetched wants cluster ids [{heads} heads, F], got {tuple(fetched.shape)}")
+    return fetched
+
+
 def _owners(table, n_tokens: int) -> torch.Tensor:
     """[n_tokens]: each token's cluster (-1: in none; an HC table's labels cover every token)."""
     return table.labels if isinstance(table, Clusters) else table.index.owners(n_tokens)
-
-
-def _token_mass(table, queries: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """Per token of ``owner``: the frame's predicted attention mass (its
-    cluster's mass, shared evenly by the cluster's tokens)."""
-    if isinstance(table, Clusters):
-        mass = torch.softmax(frame_scores(cluster_scores(queries, table)), dim=-1)[0].cpu()
-        counts = table.counts.cpu().float()
-    else:
-        mass = torch.softmax(table.index.scores(queries.cpu()), dim=-1).mean(0)
-        counts = torch.tensor([c.count for c in table.index.clusters], dtype=torch.float32)
-    per_token = (mass / counts)[owner.clamp_min(0)]
-    return torch.where(owner >= 0, per_token, 0.0)
-
-
-def _split_fetched(table: "MosaicSession", mass: torch.Tensor, owner: torch.Tensor, alpha: float) -> bool:
-    """Apply the pending splits of the clusters holding the top ``alpha`` of the
-    predicted mass (the ones the worker is about to fetch); whether any split."""
-    cluster_mass = torch.zeros(len(table.index.clusters)).index_add_(0, owner.clamp_min(0), mass)
-    keep = wicsum_bucketed(cluster_mass.clamp_min(1e-30).log().unsqueeze(0), alpha)[0]
-    pending = [i for i in torch.nonzero(keep).flatten().tolist() if table.index.clusters[i].split_pending]
-    before = len(table.index.clusters)
-    table.after_fetch(torch.tensor(pending, dtype=torch.long))
-    return len(table.index.clusters) != before
 
 
 def _num_clusters(table) -> int:
@@ -538,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, default=HASH_BITS)
     ap.add_argument("--hamming", type=int, default=0)
     ap.add_argument("--parent-pid", type=int, help="exit when this process is gone (set by DREProcess)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, help="torch threads for scoring on the CPU (default: torch's)")
+    ap.add_argument("--threads", type=int, help="torch threads for clustering (default: torch's)")
     ap.add_argument("--nice", type=int, default=0, help="lower the service's CPU priority by this much")
     a = ap.parse_args(argv)
     if a.threads:
@@ -549,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
     secret = bytes.fromhex(hex_secret) if hex_secret else None
     try:
-        DREService(a.bits, a.hamming, a.device, secret).serve(a.address, a.parent_pid)
+        DREService(a.bits, a.hamming, secret).serve(a.address, a.parent_pid)
     except DREError as e:
         print(f"kvreel dre: {e}", file=sys.stderr)
         return 2

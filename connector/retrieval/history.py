@@ -1,19 +1,21 @@
 """The host-memory history of a long session (KVMU, V-Rex's memory unit).
 
 Blocks that left a long request's local window live here, not in vLLM's
-paged cache. Per layer and KV head the history is a row of *page slabs*: one
-head's share of a cache page (``[2 * block_size, head_dim]``, packed exactly
-as vLLM's CPU cache packs it), so moving a slab into the working set is one
-copy and needs no repacking. New blocks are appended in token order; once the
-DRE has labelled the tokens with their clusters, a head's slabs are rebuilt
-in cluster order (``compact``), so the tokens of a cluster sit in few
-consecutive slabs and a selected cluster moves in few copies. The first block
-(the attention sinks) is kept apart, in token order, for every head.
+paged cache: per layer and KV head, every token's key and value in token
+order (``[H, T, D]``, the model's dtype), unpacked once from vLLM's pages as
+they arrive (the first block, the attention sinks, included). A step reads
+only what it attends to: the runtime writes the chosen tokens into
+working-set pages in vLLM's packing (``PagePacking.write_tokens``).
 
-``LayerHistory.tokens`` records which tokens each slab holds, so a predicted
-per-token attention mass turns into a per-slab mass for the selection."""
+The DRE labels every token after the sink block with its cluster (ReSV's hash
+bits or Mosaic's semantic clusters); the history keeps each cluster's key sum
+and size per head, so a step can rank clusters by ``q . centroid`` and score
+exactly only the tokens of the best ones (``candidates``). Tokens the DRE has
+not labelled yet are always candidates."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,96 +28,90 @@ class LayerHistory:
     def __init__(self, heads: int, block_size: int, head_dim: int, dtype: torch.dtype, packing: PagePacking):
         self.heads, self.block_size, self.head_dim, self.dtype = heads, block_size, head_dim, dtype
         self.packing = packing
-        self.sink: torch.Tensor | None = None                     # [H, 2 bs, D]
-        self.slabs = torch.empty(heads, 0, 2 * block_size, head_dim, dtype=dtype)
-        self.tokens = torch.empty(heads, 0, block_size, dtype=torch.int64)
-        self.n_slabs = 0
-        self.labels = torch.empty(heads, 0, dtype=torch.int64)     # per history token (-1: not yet labelled)
-        self.sorted_slabs = 0                                      # slabs [0, sorted) are in cluster order
-        self.version = 0                                           # bumped when slabs move
-
-    @property
-    def num_tokens(self) -> int:
-        """History tokens after the sink block."""
-        return self.n_slabs * self.block_size
+        self.keys = torch.empty(heads, 0, head_dim, dtype=dtype)      # [H, capacity, D], token order
+        self.values = torch.empty(heads, 0, head_dim, dtype=dtype)
+        self.num_tokens = 0                                           # sink block included
+        self.labels = torch.empty(heads, 0, dtype=torch.int64)        # per token after the sink; -1: unlabelled
+        self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32)
+        self.counts = torch.zeros(heads, 0)                           # and size
 
     @property
     def nbytes(self) -> int:
-        sink = self.sink.numel() * self.sink.element_size() if self.sink is not None else 0
-        return sink + self.n_slabs * self.heads * 2 * self.block_size * self.head_dim * self.slabs.element_size()
+        return 2 * self.heads * self.num_tokens * self.head_dim * self.keys.element_size()
 
     def append(self, pages: torch.Tensor, first_block: int) -> torch.Tensor:
-        """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``;
-        their keys ``[H, n * bs, D]`` (float32), which the DRE clusters."""
+        """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
+        keys of their tokens after the sink block ``[H, m, D]`` (float32, for the DRE)."""
+        if first_block * self.block_size != self.num_tokens:
+            raise ValueError(f"history holds {self.num_tokens} tokens, got blocks from {first_block}")
+        k, v = self.packing.unpack(pages)                                 # [n bs, H, D]
+        n = k.shape[0]
+        self._reserve(self.num_tokens + n)
+        self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
+        self.values[:, self.num_tokens:self.num_tokens + n] = v.transpose(0, 1)
+        self.num_tokens += n
+        self.labels = torch.cat([self.labels, torch.full((self.heads, n), -1, dtype=torch.int64)], 1)
         if first_block == 0:
-            self.sink = pages[0].clone()
-            pages = pages[1:]
-            first_block = 1
-        n = pages.shape[0]
-        if n == 0:
-            return torch.empty(self.heads, 0, self.head_dim)
-        self._reserve(self.n_slabs + n)
-        self.slabs[:, self.n_slabs:self.n_slabs + n] = pages.transpose(0, 1)
-        start = first_block * self.block_size
-        ids = torch.arange(start, start + n * self.block_size).view(n, self.block_size)
-        self.tokens[:, self.n_slabs:self.n_slabs + n] = ids
-        self.n_slabs += n
-        self.labels = torch.cat([self.labels, torch.full((self.heads, n * self.block_size), -1, dtype=torch.int64)], 1)
-        keys, _ = self.packing.unpack(pages)                        # [n bs, H, D]
-        return keys.transpose(0, 1).float()
+            self.labels = self.labels[:, self.block_size:]
+            k = k[self.block_size:]
+        return k.transpose(0, 1).float()
 
-    def _reserve(self, slabs: int) -> None:
-        cap = self.slabs.shape[1]
-        if slabs <= cap:
+    def _reserve(self, tokens: int) -> None:
+        cap = self.keys.shape[1]
+        if tokens <= cap:
             return
-        new_cap = max(slabs, 2 * cap, 16)
-        grown = torch.empty(self.heads, new_cap, 2 * self.block_size, self.head_dim, dtype=self.dtype)
-        grown[:, :self.n_slabs] = self.slabs[:, :self.n_slabs]
-        tokens = torch.empty(self.heads, new_cap, self.block_size, dtype=torch.int64)
-        tokens[:, :self.n_slabs] = self.tokens[:, :self.n_slabs]
-        self.slabs, self.tokens = grown, tokens
+        new_cap = max(tokens, 2 * cap, 16 * self.block_size)
+        for name in ("keys", "values"):
+            grown = torch.empty(self.heads, new_cap, self.head_dim, dtype=self.dtype)
+            grown[:, :self.num_tokens] = getattr(self, name)[:, :self.num_tokens]
+            setattr(self, name, grown)
 
-    def keys(self) -> torch.Tensor:
-        """Every history token's key ``[H, T, D]`` in token order (to cluster anew)."""
-        out = torch.empty(self.heads, self.num_tokens, self.head_dim)
-        for h in range(self.heads):
-            k, _ = self.packing.unpack(self.slabs[h, :self.n_slabs].unsqueeze(1))
-            out[h, self.tokens[h, :self.n_slabs].flatten() - self.block_size] = k[:, 0].float()
-        return out
+    def dre_keys(self) -> torch.Tensor:
+        """Every key after the sink block ``[H, T - bs, D]`` (float32): to cluster anew."""
+        return self.keys[:, self.block_size:self.num_tokens].float()
 
     def set_labels(self, first_token: int, labels: torch.Tensor) -> None:
-        """Cluster labels ``[H, n]`` of history tokens ``first_token...`` (token ids, sink block excluded)."""
+        """Cluster labels ``[H, n]`` of history tokens ``first_token...`` (token ids,
+        sink block excluded); the clusters' key sums and sizes follow."""
         start = first_token - self.block_size
-        self.labels[:, start:start + labels.shape[1]] = labels
-
-    def unsorted_share(self) -> float:
-        return 1.0 - self.sorted_slabs / self.n_slabs if self.n_slabs else 0.0
-
-    def compact(self) -> None:
-        """Rebuild every head's slabs in cluster order (tokens of a cluster
-        consecutive, in token order inside it; unlabelled tokens last)."""
-        if not self.n_slabs:
-            return
-        bs = self.block_size
+        end = start + labels.shape[1]
+        relabel = bool((self.labels[:, start:end] >= 0).any())
+        self.labels[:, start:end] = labels
+        clusters = int(labels.max()) + 1 if labels.numel() else 0
+        if clusters > self.sums.shape[1]:
+            grow = clusters - self.sums.shape[1]
+            self.sums = torch.cat([self.sums, torch.zeros(self.heads, grow, self.head_dim)], 1)
+            self.counts = torch.cat([self.counts, torch.zeros(self.heads, grow)], 1)
+        if relabel:                                   # Mosaic split clusters: every sum anew
+            self.sums.zero_()
+            self.counts.zero_()
+            start, end = 0, self.num_tokens - self.block_size
+        keys = self.keys[:, self.block_size + start:self.block_size + end].float()
         for h in range(self.heads):
-            k, v = self.packing.unpack(self.slabs[h, :self.n_slabs].unsqueeze(1))     # [T, 1, D]
-            tokens = self.tokens[h, :self.n_slabs].flatten()
-            labels = self.labels[h, tokens - bs]
-            labels = torch.where(labels < 0, torch.iinfo(torch.int64).max, labels)
-            order = torch.argsort(tokens)                                           # token order first...
-            order = order[torch.sort(labels[order], stable=True).indices]          # ...then by cluster
-            slabs = torch.empty(self.n_slabs, 1, 2 * bs, self.head_dim, dtype=self.dtype)
-            self.packing.pack(k[order], v[order], slabs, torch.arange(len(order)))
-            self.slabs[h, :self.n_slabs] = slabs[:, 0]
-            self.tokens[h, :self.n_slabs] = tokens[order].view(self.n_slabs, bs)
-        self.sorted_slabs = self.n_slabs
-        self.version += 1
+            lab = self.labels[h, start:end]
+            ok = lab >= 0
+            self.sums[h].index_add_(0, lab[ok], keys[h][ok])
+            self.counts[h].index_add_(0, lab[ok], torch.ones(int(ok.sum())))
 
-    def slab_mass(self, token_mass: torch.Tensor) -> torch.Tensor:
-        """Per-token predicted mass ``[H, T]`` (history tokens, sink excluded) ->
-        per-slab mass ``[H, n_slabs]``."""
-        index = self.tokens[:, :self.n_slabs].reshape(self.heads, -1) - self.block_size
-        return token_mass.gather(1, index).view(self.heads, self.n_slabs, self.block_size).sum(-1)
+    def candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
+        """Per head, ``count`` history tokens after the sink block ``[H, count]``
+        (token ids) whose clusters the query rows ``[H, R, D]`` rank best: every
+        row spreads its mass over the clusters (softmax of ``q . centroid / sqrt D
+        + log size``), and a token ranks by the largest per-token share any row
+        gives its cluster. Every unlabelled token is a candidate (more than
+        ``count`` of them: all of them)."""
+        scale = self.head_dim ** -0.5
+        live = self.counts > 0
+        means = self.sums / self.counts.clamp_min(1).unsqueeze(-1)
+        scores = torch.bmm(queries.float(), means.transpose(1, 2)) * scale + self.counts.clamp_min(1).log().unsqueeze(1)
+        share = torch.softmax(scores.masked_fill(~live.unsqueeze(1), -math.inf), dim=-1)
+        per_token = (share.amax(1) / self.counts.clamp_min(1))                         # [H, C]
+        labels = self.labels[:, :self.num_tokens - self.block_size]
+        count = min(labels.shape[1], max(count, int((labels < 0).sum(1).max())))      # every unlabelled one
+        if not per_token.shape[1]:
+            per_token = torch.zeros(self.heads, 1)
+        rank = torch.where(labels >= 0, per_token.gather(1, labels.clamp_min(0)), math.inf)
+        return torch.topk(rank, count, dim=1).indices + self.block_size
 
 
 class RequestHistory:

@@ -279,8 +279,10 @@ class MosaicSession:
         self.visual_sums[v] += unit
         return v
 
-    def after_fetch(self, cluster_ids: torch.Tensor) -> None:
-        """Applies the pending splits of clusters just fetched."""
+    def after_fetch(self, cluster_ids: torch.Tensor) -> bool:
+        """Applies the pending splits of clusters just fetched; whether any split."""
+        before = len(self.index.clusters)
         for cid in cluster_ids.tolist():
             if self.index.clusters[cid].split_pending:
                 self.index.apply_split(cid, self.keys)
+        return len(self.index.clusters) != before

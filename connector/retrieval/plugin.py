@@ -1,7 +1,12 @@
-"""kvreel's ``vllm.general_plugins`` entry point: with ``KVREEL_RETRIEVAL`` on,
-vLLM's CPU attention backend is replaced by kvreel's retrieval backend, and
-vLLM's KV cache manager learns kvreel's offloaded-history spec, in every vLLM
-process, so the env var is all a user sets."""
+"""kvreel's ``vllm.general_plugins`` entry point, run in every vLLM process.
+
+On vLLM's CPU platform it puts kvreel's retrieval backend in place of
+``CPU_ATTN`` and teaches vLLM's KV cache manager kvreel's offloaded-history
+spec. The backend is vLLM's own, unchanged, unless the engine being built has
+kvreel's connector with retrieval on (``engine_settings``): the plugin runs
+before any engine's configuration is known, and only then do settings given
+in ``kv_connector_extra_config`` reach the attention layers as the
+environment's do."""
 
 from __future__ import annotations
 
@@ -9,21 +14,35 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
+CONNECTOR = "KVReelConnector"
 
 
 def register() -> None:
-    if os.environ.get("KVREEL_RETRIEVAL", "off") == "off":
-        return
     from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
+            logger.warning("kvreel: KVREEL_RETRIEVAL is implemented for vLLM's CPU backend only; "
+                           "this platform keeps full attention")
+        return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from kvreel.connector.config import KVReelConfig
-    KVReelConfig.load()          # a bad KVREEL_* value stops start-up here, with its message
-    if not current_platform.is_cpu():
-        logger.warning("kvreel: KVREEL_RETRIEVAL is implemented for vLLM's CPU backend only; "
-                       "this platform keeps full attention")
-        return
     from kvreel.connector.retrieval import offload
     offload.register()
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      "kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
+
+
+def engine_settings(vllm_config):
+    """kvreel's settings for this engine (``KVREEL_*``, then its connector's
+    ``kv_connector_extra_config``) when it attaches kvreel's connector with
+    retrieval on; None otherwise, and vLLM's attention stays vLLM's."""
+    from kvreel.connector.config import KVReelConfig
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None or kv.kv_connector != CONNECTOR:
+        if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
+            logger.error("kvreel: KVREEL_RETRIEVAL needs kvreel's connector (--kv-transfer-config "
+                         "'{\"kv_connector\":\"KVReelConnector\",\"kv_connector_module_path\":\"kvreel.connector\","
+                         "\"kv_role\":\"kv_both\"}'); attention stays full")
+        return None
+    cfg = KVReelConfig.load(overrides=dict(kv.kv_connector_extra_config or {}))
+    return cfg if cfg.retrieval != "off" else None

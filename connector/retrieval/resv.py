@@ -49,10 +49,6 @@ class Clusters:
         mask[cluster_ids.cpu()] = True
         return torch.nonzero(mask[self.labels], as_tuple=False).flatten()
 
-    def to(self, device: torch.device) -> "Clusters":
-        """Sums and counts on ``device`` (where scoring runs); labels and codes stay on the CPU."""
-        return Clusters(self.labels, self.sums.to(device), self.counts.to(device), self.codes, self.center)
-
 
 def hyperplanes(head_dim: int, bits: int, seed: int = 0) -> torch.Tensor:
     if not 1 <= bits <= 62:
@@ -125,11 +121,10 @@ def extend_clusters(cl: Clusters, keys: torch.Tensor, planes: torch.Tensor, hamm
             cluster_codes = torch.cat([cluster_codes, code.view(1)])
     labels = code_cluster[inverse]
     grown = cluster_codes.numel() - C
-    dev = cl.sums.device
-    counts = torch.cat([cl.counts, torch.zeros(grown, dtype=torch.int64, device=dev)])
-    counts += torch.bincount(labels, minlength=cluster_codes.numel()).to(dev)
-    sums = torch.cat([cl.sums, torch.zeros(grown, keys.shape[1], device=dev)])
-    sums.index_add_(0, labels.to(dev), keys.float().to(dev))
+    counts = torch.cat([cl.counts, torch.zeros(grown, dtype=torch.int64)])
+    counts += torch.bincount(labels, minlength=cluster_codes.numel())
+    sums = torch.cat([cl.sums, torch.zeros(grown, keys.shape[1])])
+    sums.index_add_(0, labels, keys.float())
     return Clusters(torch.cat([cl.labels, labels]), sums, counts, cluster_codes, cl.center)
 
 

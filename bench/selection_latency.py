@@ -1,0 +1,134 @@
+"""What choosing a working set costs a step, per layer, against the history's length.
+
+    python bench/selection_latency.py [--tokens 2048,...,65536] [--method resv|mosaic]
+
+One layer of a long request, shaped like tinycode-16m (2 KV heads, 3 query
+heads each, head_dim 64) with vLLM's default CPU block size (128), its keys
+drawn around 64 centres per head (synthetic: the cost depends on how many
+tokens and clusters there are, not on what they say). The history goes
+through the served path: ``RetrievalRuntime.add_history`` (pages unpacked,
+keys sent to a DRE process the runtime starts itself, labels back), then
+``RetrievalRuntime.working_set`` at the default budget (1/8 of the history, at
+most 4 096 tokens), timed for a decode step (one query token) and a prefill
+chunk (512). Per history length:
+
+* ``served``: the default, ``KVREEL_RETRIEVAL_CANDIDATES=4`` (past 4x the
+  budget, the DRE's clusters narrow which tokens are scored exactly);
+* ``every token``: ``KVREEL_RETRIEVAL_CANDIDATES=0``, every history token scored;
+* baseline in the same run: full attention of the same queries over the whole
+  history (float32 SDPA), what a layer without retrieval computes;
+* ``extend``: the DRE labelling one new block, off the critical path (its
+  latency only says how soon new tokens get a cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import plot_lines, save  # noqa: E402
+
+H, G, D, BLOCK, CHUNK = 2, 3, 64, 128, 512
+
+
+def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic clustered keys and values [T, H, D] (bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(H, 64, D, generator=g) * 2
+    pick = torch.randint(0, 64, (H, T), generator=g)
+    k = torch.gather(centres, 1, pick.unsqueeze(-1).expand(H, T, D)) + 0.5 * torch.randn(H, T, D, generator=g)
+    return k.transpose(0, 1).bfloat16(), torch.randn(T, H, D, generator=g).bfloat16()
+
+
+def runtime_for(method: str, candidates: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvreel.connector.config import KVReelConfig
+    from kvreel.connector.retrieval.runtime import RetrievalRuntime
+    cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_CANDIDATES": str(candidates)})
+    rt = RetrievalRuntime(cfg)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    rt.register_caches({"model.layers.0.self_attn.attn": torch.zeros(1, H, BLOCK, 2 * D, dtype=torch.bfloat16)},
+                       spec, max_batched_tokens=CHUNK)
+    return rt
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
+    ap.add_argument("--method", default="resv", choices=("resv", "mosaic"))
+    ap.add_argument("--repeat", type=int, default=7)
+    a = ap.parse_args()
+    rows = []
+    runtimes = {"served": runtime_for(a.method, 4), "every token": runtime_for(a.method, 0)}
+    for T in tqdm([int(t) for t in a.tokens.split(",")], desc="history lengths"):
+        k, v = pages_for(T)
+        packing = runtimes["served"].packing
+        pages = torch.zeros(T // BLOCK, H, 2 * BLOCK, D, dtype=torch.bfloat16)
+        packing.pack(k, v, pages, torch.arange(T))
+        g = torch.Generator().manual_seed(T)
+        q_chunk = torch.randn(H, CHUNK * G, D, generator=g)
+        q_decode = q_chunk[:, :G]
+        row = {"history_tokens": T}
+        for name, rt in runtimes.items():
+            req = f"T{T}"
+            rt.add_history(req, 0, [pages[:-1]])
+            lh = rt.histories[req].layers[0]
+            t0 = time.perf_counter()
+            while rt._client is not None and bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
+                time.sleep(0.005)                       # the DRE's labels for the whole history
+            if name == "served":
+                row["dre_cluster_ms"] = (time.perf_counter() - t0) * 1000
+                t0 = time.perf_counter()
+                rt.add_history(req, T // BLOCK - 1, [pages[-1:]])
+                while bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
+                    time.sleep(0.001)
+                row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
+            else:
+                rt.add_history(req, T // BLOCK - 1, [pages[-1:]])
+            for step, q in (("decode", q_decode), ("chunk", q_chunk)):
+                row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
+            row["kept_tokens"] = rt.working[req, 0].m * BLOCK
+            rt.drop(req)
+        keys = k.transpose(0, 1).float().unsqueeze(0)
+        values = v.transpose(0, 1).float().unsqueeze(0)
+        for step, q in (("decode", q_decode), ("chunk", q_chunk)):
+            queries = q.reshape(H * G, -1, D).unsqueeze(0) if step == "decode" else \
+                q.view(H, CHUNK, G, D).permute(0, 2, 1, 3).reshape(1, H * G, CHUNK, D)
+            row[f"full attention {step} ms"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+                queries, keys, values, enable_gqa=True), a.repeat)
+        rows.append(row)
+        print(row, flush=True)
+    name = "selection_latency" + ("_mosaic" if a.method == "mosaic" else "")
+    settings = {"method": a.method, "kv_heads": H, "query_heads_per_kv": G, "head_dim": D, "block_size": BLOCK,
+                "chunk": CHUNK, "repeat": a.repeat, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
+                "dre": "a process started by the runtime (one torch thread, nice 10), as served"}
+    path = save(name, {"settings": settings, "rows": rows, "packing_isa": packing.isa})
+    x = [r["history_tokens"] for r in rows]
+    series = {f"{n} {s}": [r[f"{n} {s} ms"] for r in rows]
+              for s in ("decode", "chunk") for n in ("served", "every token", "full attention")}
+    plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
+               f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
+               f"2-core x86 CPU, median of {a.repeat})", logy=True)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
