@@ -122,16 +122,16 @@ def served_errors(model: str, ids: list[int], method: str, alpha: float, share: 
     each layer attends to what the served selection keeps (``choose_tokens``
     with the step's own queries, the DRE's clusters narrowing the candidates)."""
     from kv_capture import capture_qkv_ids
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvreel.connector.retrieval.history import LayerHistory
     from kvreel.connector.retrieval.page_packing import PagePacking
-    from kvreel.connector.retrieval.runtime import choose_tokens
+    from kvreel.connector.retrieval.selection import choose_tokens
+    from kvreel.connector.vllm_internals import cpu_attn_isa
     q_all, k_all, v_all = capture_qkv_ids(model, ids)          # [L, Hq, T, D], [L, Hkv, T, D]
     L, Hq, T, D = q_all.shape
     H = k_all.shape[1]
     G = Hq // H
-    packing = PagePacking(block, D, torch.bfloat16, _get_attn_isa(torch.bfloat16, block, D, "auto"))
+    packing = PagePacking(block, D, torch.bfloat16, cpu_attn_isa(torch.bfloat16, block, D))
     call = in_process_dre()
     errors, shares = [], []
     for p in positions:

@@ -92,7 +92,7 @@ def main() -> None:
             rt.add_history(req, 0, [pages[:-1]])
             lh = rt.histories[req].layers[0]
             t0 = time.perf_counter()
-            while rt._client is not None and bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
+            while rt.dre.client() is not None and bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
                 time.sleep(0.005)                       # the DRE's labels for the whole history
             if name == "served":
                 row["dre_cluster_ms"] = (time.perf_counter() - t0) * 1000

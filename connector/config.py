@@ -168,9 +168,10 @@ SETTINGS: tuple[Setting, ...] = (
                    "wait in front of a request's load)."),
     Setting("RETRIEVAL", str, "off", "off, resv or mosaic",
             "Sessions longer than vLLM's KV memory: a long request's history moves to kvreel's host memory and "
-            "each layer attends to the sink, the history its DRE selects and the local window. off (vLLM "
-            "untouched), resv (hash-bit key clusters, V-Rex) or mosaic (visual -> semantic clusters). Needs "
-            "kvreel's connector; registered by kvreel's vLLM plugin (vLLM's CPU backend).",
+            "each layer attends to the sink, the history tokens its step's own queries select and the local "
+            "window. off (vLLM untouched), resv (hash-bit key clusters, V-Rex) or mosaic (visual -> semantic "
+            "clusters): the DRE's clusters narrow long histories. Needs kvreel's connector; registered by "
+            "kvreel's vLLM plugin (vLLM's CPU backend).",
             _one_of("off", "resv", "mosaic")),
     Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
             "WiCSum ratio: per KV head, history slabs are kept in the order the step's queries score them until "

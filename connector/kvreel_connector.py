@@ -32,6 +32,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata
 from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
 from kvreel.connector.tiers import Tier
+from kvreel.connector.vllm_internals import check_version, kv_transfer_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,16 +154,18 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        check_version()
+        transfer = kv_transfer_config(self)
+        extra = dict(transfer.kv_connector_extra_config or {})
         self.cfg = KVReelConfig.load(overrides=extra)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("kvreel keys chunks by vLLM's prefix-cache block hashes: "
                              "start vLLM with prefix caching enabled (the default)")
         block_size = check_kv_cache_groups(kv_cache_config, self.cfg)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+        if transfer.kv_load_failure_policy != "recompute":
             # A failed or damaged load must cost a recompute, never the request.
             logger.info("kvreel: setting kv_load_failure_policy='recompute'")
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            transfer.kv_load_failure_policy = "recompute"
         fields = identity_fields(vllm_config, kv_cache_config)
         self.identity = model_identity(fields)
         self._scheduler = None

@@ -37,9 +37,8 @@ def setup(tiny_model, monkeypatch):
 
 def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Generator):
     """Two requests in one cache with shuffled physical blocks; their KV written by vLLM's op."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    isa = _get_attn_isa(torch.bfloat16, BS, D, "auto")
+    from kvreel.connector.vllm_internals import cpu_attn_isa, cpu_reshape_and_cache
+    isa = cpu_attn_isa(torch.bfloat16, BS, D)
     layer = SimpleNamespace(isa=isa, layer_name="model.layers.0.self_attn.attn", _k_scale_float=1.0,
                             _v_scale_float=1.0)
     cache = torch.zeros(num_blocks, H, BS, 2 * D, dtype=torch.bfloat16)
@@ -53,8 +52,7 @@ def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Gen
         used += n
         slots = table[r].long()[torch.arange(s) // BS] * BS + torch.arange(s) % BS
         k, v = torch.randn(s, H, D, generator=g).bfloat16(), torch.randn(s, H, D, generator=g).bfloat16()
-        ops.cpu_attn_reshape_and_cache(k, v, *cache.view(num_blocks, H, 2 * BS, D).chunk(2, dim=2), slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        cpu_reshape_and_cache(k, v, *cache.view(num_blocks, H, 2 * BS, D).chunk(2, dim=2), slots, isa)
         rows.append(table[r])
     meta = _metadata(seq_lens, q_lens, table, isa)
     query = torch.randn(int(meta.query_start_loc[-1]), H * G, D, generator=g).bfloat16()
@@ -63,8 +61,7 @@ def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Gen
 
 def _metadata(seq_lens: list[int], q_lens: list[int], table: torch.Tensor, isa: str):
     """vLLM's CPU attention metadata for a batch, as its builder makes it."""
-    from vllm import _custom_ops as ops
-    from vllm import envs
+    from kvreel.connector.vllm_internals import cpu_scheduler_metadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
@@ -72,10 +69,10 @@ def _metadata(seq_lens: list[int], q_lens: list[int], table: torch.Tensor, isa: 
     return CPUAttentionMetadata(
         num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl, max_seq_len=max(seq_lens),
         seq_lens=seq, block_table=table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), causal=True,
-        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+        scheduler_metadata=cpu_scheduler_metadata(
             num_reqs=len(seq_lens), num_heads=H * G, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.bfloat16,
             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto"))
+            kv_cache_dtype="auto"))
 
 
 def _offload(runtime, cache, meta, row: int, req_id: str, blocks: int) -> None:
@@ -166,7 +163,7 @@ def test_each_step_attends_to_what_its_own_queries_select(setup):
     import dataclasses
 
     from kvreel.connector.retrieval.page_packing import PagePacking
-    from kvreel.connector.retrieval.runtime import select_tokens
+    from kvreel.connector.retrieval.selection import select_tokens
     impl, runtime = setup
     g = torch.Generator().manual_seed(1)
     layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
@@ -203,7 +200,7 @@ def test_a_new_choice_keeps_the_places_of_tokens_that_stay(setup):
     for n_pages in (5, 7, 3):                                    # a choice, a larger one, a smaller one
         want = torch.stack([torch.randperm(14 * BS, generator=g)[:n_pages * BS] for _ in range(H)])
         before = ws.held.clone()
-        runtime._fill(ws, lh, want)
+        ws.hold(lh, want)
         assert ws.m == n_pages
         k, v = unpack(ws.buffer[:n_pages])                     # [n_pages bs, H, D], page position order
         for h in range(H):
@@ -262,7 +259,7 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     while bool((lh.labels < 0).any()):
         assert time.monotonic() < deadline, "the DRE's labels did not come"
         time.sleep(0.05)
-        runtime._take_labels()
+        runtime.dre.take_labels(runtime.histories)
     assert int(lh.counts.sum()) == H * 13 * BS
     narrowed = lh.candidates(q[0].float().view(H, G, D), 6 * BS)
     assert narrowed.shape == (H, 6 * BS)

@@ -11,8 +11,8 @@ BS, H, D = 32, 2, 64
 
 
 def isa():
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    return _get_attn_isa(torch.bfloat16, BS, D, "auto")
+    from kvreel.connector.vllm_internals import cpu_attn_isa
+    return cpu_attn_isa(torch.bfloat16, BS, D)
 
 
 def packing():
@@ -30,10 +30,9 @@ def pages_of(k, v):
 
 @pytest.mark.parametrize("head_dim,block", [(64, 32), (128, 32), (64, 16)])
 def test_unpacking_inverts_vllms_packing_byte_exactly(head_dim, block):
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     from kvreel.connector.retrieval.page_packing import PagePacking
-    pp = PagePacking(block, head_dim, torch.bfloat16, _get_attn_isa(torch.bfloat16, block, head_dim, "auto"))
+    from kvreel.connector.vllm_internals import cpu_attn_isa
+    pp = PagePacking(block, head_dim, torch.bfloat16, cpu_attn_isa(torch.bfloat16, block, head_dim))
     g = torch.Generator().manual_seed(0)
     k = torch.randn(3 * block, 3, head_dim, generator=g).bfloat16()
     v = torch.randn(3 * block, 3, head_dim, generator=g).bfloat16()
@@ -102,7 +101,7 @@ def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():
     """Per-query selection: in a prefill chunk of 100 rows, one row (a question)
     looks for token 300; the other 99 spread their attention over tokens 0-63.
     A chunk average ranks token 300 below all of them; per row it is kept."""
-    from kvreel.connector.retrieval.runtime import select_tokens
+    from kvreel.connector.retrieval.selection import select_tokens
     g = torch.Generator().manual_seed(2)
     keys = torch.nn.functional.normalize(torch.randn(H, 320, D, generator=g), dim=-1)
     common = keys[:, :1]

@@ -48,7 +48,7 @@ def test_servers_started_by_kvreel_bind_loopback():
 def test_the_dre_never_opens_or_deletes_a_segment_it_did_not_create():
     from multiprocessing import shared_memory
     import torch
-    from kvreel.connector.retrieval.dre_service import DREError, put_tensor, take_tensor
+    from kvreel.connector.retrieval.dre_wire import DREError, put_tensor, take_tensor
     victim = shared_memory.SharedMemory(create=True, size=64)
     try:
         victim.buf[:4] = b"mine"

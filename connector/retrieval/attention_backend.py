@@ -23,14 +23,14 @@ import dataclasses
 import logging
 
 import torch
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreel.connector.retrieval.plugin import engine_settings
-from kvreel.connector.retrieval.runtime import RetrievalRuntime, layer_index
+from kvreel.connector.retrieval.runtime import RetrievalRuntime
+from kvreel.connector.vllm_internals import cpu_attention_classes, cpu_scheduler_metadata, layer_index
+
+CPUAttentionBackend, CPUAttentionBackendImpl = cpu_attention_classes()
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +144,10 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         return dataclasses.replace(
             meta, num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
             query_start_loc=qsl, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()), block_table=block_table,
-            scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+            scheduler_metadata=cpu_scheduler_metadata(
                 num_reqs=len(seq_lens), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_size, seq_lens=seq_lens, dtype=query.dtype, query_start_loc=qsl,
                 causal=meta.causal, sliding_window_size=self.sliding_window, isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
                 kv_cache_dtype=self.kv_cache_dtype))
 
 

@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.kv_cache_spec_registry import register_kv_cache_spec
+
+from kvreel.connector.vllm_internals import full_attention_manager, register_kv_cache_spec
 
 
 class HistoryLedger:
@@ -84,7 +84,7 @@ class OffloadedHistorySpec(FullAttentionSpec):
                    in_flight_tokens=first.in_flight_tokens)
 
 
-class HistoryOffloadManager(FullAttentionManager):
+class HistoryOffloadManager(full_attention_manager()):
     """vLLM's full-attention manager that frees a long request's blocks below
     its window once kvreel holds them (``LEDGER``)."""
 
@@ -134,8 +134,7 @@ class HistoryOffloadManager(FullAttentionManager):
 
 def register() -> None:
     """Make vLLM build ``HistoryOffloadManager`` for ``OffloadedHistorySpec`` groups."""
-    register_kv_cache_spec(manager_class=HistoryOffloadManager,
-                           uniform_type_base_spec=FullAttentionSpec)(OffloadedHistorySpec)
+    register_kv_cache_spec(OffloadedHistorySpec, HistoryOffloadManager, FullAttentionSpec)
 
 
 def offloaded_spec(spec: FullAttentionSpec, window_tokens: int, min_tokens: int,

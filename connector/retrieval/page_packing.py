@@ -15,11 +15,12 @@ import functools
 
 import torch
 
+from kvreel.connector.vllm_internals import cpu_reshape_and_cache
+
 
 @functools.lru_cache(maxsize=None)
 def _permutation(block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
     """[2, block_size * head_dim]: for K and V, the page position of (token, channel) t * head_dim + d."""
-    from vllm import _custom_ops as ops
     bs, D = block_size, head_dim
     n = bs * D
     # bf16/fp16 hold integers up to 256 exactly: one probe per base-256 digit of the index
@@ -33,8 +34,7 @@ def _permutation(block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -
         for part in range(2):
             cache.zero_()
             k, v = (probe, torch.zeros_like(probe)) if part == 0 else (torch.zeros_like(probe), probe)
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(bs), isa,
-                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+            cpu_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(bs), isa)
             landed = cache[0, 0, part * bs:(part + 1) * bs].reshape(-1).to(torch.int64)
             found[part] |= landed << (8 * digit)
     # found[part][p] = the (t, d) index stored at page position p; invert it
@@ -67,10 +67,8 @@ class PagePacking:
 
     def pack(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """Write tokens ``[n, H, D]`` into ``cache`` ``[blocks, H, 2 * bs, D]`` at ``slots``."""
-        from vllm import _custom_ops as ops
         key_cache, value_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        cpu_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
 
     def write_tokens(self, pages: torch.Tensor, page: torch.Tensor, head: torch.Tensor, pos: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor) -> None:

@@ -24,12 +24,12 @@ def register() -> None:
             logger.warning("kvreel: KVREEL_RETRIEVAL is implemented for vLLM's CPU backend only; "
                            "this platform keeps full attention")
         return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
     from kvreel.connector.retrieval import offload
+    from kvreel.connector.vllm_internals import register_cpu_attention, version_problem
+    if version_problem():          # the connector refuses to start and says why; vLLM's attention stays vLLM's
+        return
     offload.register()
-    register_backend(AttentionBackendEnum.CPU_ATTN,
-                     "kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
+    register_cpu_attention("kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
 
 
 def engine_settings(vllm_config):

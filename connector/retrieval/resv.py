@@ -25,6 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+# Hash bits (centred keys). The clusters narrow a long history to the tokens a step
+# scores exactly (``LayerHistory.candidates``): ranking them must cost far less than
+# scoring every token, so a layer has at most 2^bits of them (on SmolLM2-135M's keys
+# 16 bits left nearly one cluster per token).
+HASH_BITS = 12
+
 
 @dataclass
 class Clusters:
