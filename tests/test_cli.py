@@ -23,12 +23,19 @@ def test_doctor_reports_tiers_and_refuses_bad_settings(tmp_path, redis_server):
                                "KVREEL_REMOTE_URL": f"redis://:s3cret@127.0.0.1:{port}/0"})
     assert ok.returncode == 0, ok.stderr
     assert "settings" in ok.stdout and "valid" in ok.stdout
+    assert f"{tmp_path}/d missing; kvreel will create it" in ok.stdout
+    assert not (tmp_path / "d").exists()                  # doctor creates nothing
+    (tmp_path / "d").mkdir()
+    ok = kvreel("doctor", env={"KVREEL_DISK_DIR": str(tmp_path / "d"),
+                               "KVREEL_REMOTE_URL": f"redis://:s3cret@127.0.0.1:{port}/0"})
     assert f"{tmp_path}/d writable" in ok.stdout
     assert f"redis://:***@127.0.0.1:{port}/0 reachable" in ok.stdout
     assert "encoder libx265 (lossless HEVC)  available" in ok.stdout
     assert "retrieval attention" in ok.stdout and "off (KVREEL_RETRIEVAL=off)" in ok.stdout
     dead = kvreel("doctor", env={"KVREEL_RETRIEVAL": "resv", "KVREEL_DRE_ADDRESS": str(tmp_path / "no.sock")})
-    assert dead.returncode == 0 and f"DRE at {tmp_path}/no.sock UNREACHABLE" in dead.stdout
+    assert dead.returncode == 1 and f"DRE at {tmp_path}/no.sock UNREACHABLE" in dead.stdout
+    gone = kvreel("doctor", env={"KVREEL_REMOTE_URL": "redis://127.0.0.1:1/0", "KVREEL_REMOTE_TIMEOUT_S": "0.5"})
+    assert gone.returncode == 1 and "remote tier" in gone.stdout and "UNREACHABLE" in gone.stdout
     bad = kvreel("doctor", env={"KVREEL_CPU_BYTE": "1GiB", "KVREEL_REMOTE_URL": "redis://127.0.0.1:1/0"})
     assert bad.returncode == 1
     assert "did you mean KVREEL_CPU_BYTES?" in bad.stdout

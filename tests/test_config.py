@@ -78,3 +78,37 @@ def test_a_feature_whose_package_is_missing_stops_startup_with_one_line(env, mes
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(message)
     assert len(out.stdout.strip().splitlines()) == 1
+
+
+def test_a_server_given_a_bad_setting_stops_before_loading_anything(monkeypatch, capsys):
+    """kvreel's vLLM plugin reads the server's command line: with kvreel's
+    connector on it, a bad KVREEL_* value is one line and exit 2, before vLLM
+    builds its parser or loads a model."""
+    from kvreel.connector.retrieval.plugin import check_command_line
+    ours = '{"kv_connector":"KVReelConnector","kv_connector_module_path":"kvreel.connector","kv_role":"kv_both"}'
+    monkeypatch.setenv("KVREEL_CPU_BYTES", "lots")
+    with pytest.raises(SystemExit) as stop:
+        check_command_line(["vllm", "serve", "m", "--kv-transfer-config", ours])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "kvreel: KVREEL_CPU_BYTES='lots' is invalid: expected a size >= 0B such as 512MiB, 8GiB or 1000000"]
+    check_command_line(["vllm", "serve", "m", "--kv-transfer-config", ours.replace("KVReel", "Example")])
+    monkeypatch.setenv("KVREEL_CPU_BYTES", "1GiB")
+    check_command_line(["vllm", "serve", "m", f"--kv-transfer-config={ours}"])
+    bad_extra = ours[:-1] + ',"kv_connector_extra_config":{"disk_bytes":"-1"}}'
+    with pytest.raises(SystemExit):
+        check_command_line(["vllm", "serve", "m", "--kv-transfer-config", bad_extra])
+
+
+def test_vllms_own_server_refuses_a_bad_setting_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    env["KVREEL_CPU_BYTES"] = "lots"
+    out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path),
+                          "--kv-transfer-config", '{"kv_connector":"KVReelConnector",'
+                          '"kv_connector_module_path":"kvreel.connector","kv_role":"kv_both"}'],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("kvreel: KVREEL_CPU_BYTES='lots' is invalid")
+    assert "Traceback" not in out.stderr + out.stdout

@@ -1,5 +1,7 @@
 """kvreel's ``vllm.general_plugins`` entry point, run in every vLLM process.
 
+A server whose command line attaches kvreel's connector is checked first: a
+bad ``KVREEL_*`` value stops it before anything loads (``check_command_line``).
 On vLLM's CPU platform it puts kvreel's retrieval backend in place of
 ``CPU_ATTN`` and teaches vLLM's KV cache manager kvreel's offloaded-history
 spec. The backend is vLLM's own, unchanged, unless the engine being built has
@@ -18,6 +20,7 @@ CONNECTOR = "KVReelConnector"
 
 
 def register() -> None:
+    check_command_line()
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
         if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
@@ -30,6 +33,37 @@ def register() -> None:
         return
     offload.register()
     register_cpu_attention("kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
+
+
+def check_command_line(argv: list[str] | None = None) -> None:
+    """A server started with kvreel's connector on its command line (``vllm serve
+    ... --kv-transfer-config '{"kv_connector":"KVReelConnector",...}'``) stops
+    here, before vLLM loads anything, with one line naming a bad ``KVREEL_*``
+    value or an unsupported vLLM (vLLM loads its plugins while it builds its
+    argument parser)."""
+    import json
+    import sys
+
+    from kvreel.connector.config import ConfigError, KVReelConfig
+    from kvreel.connector.vllm_internals import version_problem
+    argv = sys.argv if argv is None else argv
+    for i, arg in enumerate(argv):
+        text = arg.partition("=")[2] if arg.startswith("--kv-transfer-config=") else \
+            argv[i + 1] if arg == "--kv-transfer-config" and i + 1 < len(argv) else None
+        try:
+            transfer = json.loads(text) if text else None
+        except ValueError:
+            continue                                    # vLLM says what is wrong with it
+        if not isinstance(transfer, dict) or transfer.get("kv_connector") != CONNECTOR:
+            continue
+        try:
+            KVReelConfig.load(overrides=transfer.get("kv_connector_extra_config") or {})
+            problem = version_problem()
+        except ConfigError as e:
+            problem = str(e)
+        if problem:
+            print(f"kvreel: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
 
 
 def engine_settings(vllm_config):
