@@ -90,19 +90,24 @@ def main() -> None:
         for name, rt in runtimes.items():
             req = f"T{T}"
             rt.add_history(req, 0, [pages[:-1]])
-            lh = rt.histories[req].layers[0]
+            hist = rt.histories[req]
+            lh = hist.layers[0]
+            clustered = rt.clusters_for(hist)
             t0 = time.perf_counter()
-            while rt.dre.client() is not None and bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
-                time.sleep(0.005)                       # the DRE's labels for the whole history
-            if name == "served":
+            while clustered and bool((lh.labels < 0).any()):       # the DRE's labels for the whole history
+                time.sleep(0.005)
+                rt.dre.take_labels(rt.histories)
+            if clustered and name == "served":
                 row["dre_cluster_ms"] = (time.perf_counter() - t0) * 1000
-                t0 = time.perf_counter()
-                rt.add_history(req, T // BLOCK - 1, [pages[-1:]])
-                while bool((lh.labels[:, :lh.num_tokens - BLOCK] < 0).any()):
-                    time.sleep(0.001)
+            t0 = time.perf_counter()
+            rt.add_history(req, T // BLOCK - 1, [pages[-1:]])
+            while clustered and bool((lh.labels < 0).any()):
+                time.sleep(0.001)
+                rt.dre.take_labels(rt.histories)
+            if clustered and name == "served":
                 row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
-            else:
-                rt.add_history(req, T // BLOCK - 1, [pages[-1:]])
+            row[f"{name}: narrowed by clusters"] = clustered and rt.cfg.retrieval_candidates * \
+                rt.kept_tokens(hist.num_blocks) < lh.num_tokens - BLOCK
             for step, q in (("decode", q_decode), ("chunk", q_chunk)):
                 row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
             row["kept_tokens"] = rt.working[req, 0].m * BLOCK

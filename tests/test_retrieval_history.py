@@ -155,14 +155,14 @@ def test_histories_are_charged_to_the_host_budget_and_push_chunks_to_disk(tmp_pa
     sched = KVReelScheduler(cfg, "model", block_size=32, bytes_per_block=1024)
     chunks = [Chunk(bytes([i]) * 16, [bytes([i])], 1024) for i in range(8)]
     for chunk in chunks:
-        assert sched._admit(chunk, Tier.HOST) and sched._admit(chunk, Tier.DISK)
+        assert sched.store.admit(chunk, Tier.HOST) and sched.store.admit(chunk, Tier.DISK)
     chunks[0].pins = 1
     sched.history.planned["long"] = 5                    # 5 KiB of history: 3 LRU chunks leave host memory
     sched._account_histories()
     assert sched.host.used == 10 * 1024
     assert [Tier.HOST in c.tiers for c in chunks] == [True, False, False, False, True, True, True, True]
     assert all(Tier.DISK in c.tiers for c in chunks)                # their disk copies stay
-    assert sched._evictions[Tier.HOST] == [c.key for c in chunks[1:4]]
+    assert sched.store.evictions[Tier.HOST] == [c.key for c in chunks[1:4]]
     sched.history.planned["long"] = 20                   # past the budget: every unpinned chunk goes, it says so
     sched._account_histories()
     assert [Tier.HOST in c.tiers for c in chunks] == [True] + [False] * 7

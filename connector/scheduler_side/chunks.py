@@ -1,0 +1,185 @@
+"""The scheduler side's record of what kvreel holds: every chunk, the index from
+each block hash to (chunk, row), and the byte budgets of the local tiers with
+their eviction order.
+
+A *chunk* is a run of consecutive full blocks of one prefix, at most
+``KVREEL_CHUNK_TOKENS`` long and never crossing a chunk boundary, keyed by the
+hash of its last block. Block keys are vLLM's own chained prefix-cache block
+hashes, so a chunk's key names the whole prefix up to it. Every block maps to
+(chunk, row), so any prefix of a held chunk is reusable: reuse is at block
+granularity.
+
+Eviction: LRU, or with workflow hints (``KVREEL_EVICTION=workflow``) the chunks
+whose agents run furthest in the future first, LRU among equals."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+from kvreel.connector.config import KVReelConfig
+from kvreel.connector.metadata import StoreOp
+from kvreel.connector.stats import KVReelStats
+from kvreel.connector.tiers import Tier
+
+HOST, DISK, REMOTE = Tier.HOST, Tier.DISK, Tier.REMOTE
+MAX_USERS = 64          # (workflow, agent) pairs remembered per chunk
+
+
+class Chunk:
+    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins", "users", "prefetched")
+
+    def __init__(self, key: bytes, block_hashes: list[bytes], nbytes: int):
+        self.key = key
+        self.block_hashes = block_hashes
+        self.nbytes = nbytes
+        self.tiers: set[Tier] = set()     # the local tiers (host, disk) holding it
+        self.pins = 0
+        self.users: set[tuple[str, str]] = set()   # (workflow, agent) pairs that used it
+        self.prefetched = False           # in the host tier by a prefetch, not loaded since
+
+    def used_by(self, user: tuple[str, str]) -> None:
+        """``user``'s prompt holds this chunk: it takes that agent's distance."""
+        if len(self.users) < MAX_USERS:
+            self.users.add(user)
+
+
+class TierBudget:
+    """Byte budget of one local tier: LRU order, or with ``steps`` (chunk ->
+    steps until it is needed, workflow eviction) the furthest chunks first and
+    LRU among equals."""
+
+    def __init__(self, tier: Tier, capacity: int, steps: Callable[[Chunk], float] | None = None):
+        self.tier = tier
+        self.capacity = capacity
+        self.used = 0
+        self.lru: OrderedDict[bytes, Chunk] = OrderedDict()
+        self.steps = steps
+
+    def touch(self, chunk: Chunk) -> None:
+        if chunk.key in self.lru:
+            self.lru.move_to_end(chunk.key)
+
+    def victims_for(self, nbytes: int, nearest: float = 0, strictly: bool = False) -> list[Chunk] | None:
+        """Unpinned chunks whose removal frees ``nbytes``, in eviction order;
+        None if impossible. With workflow eviction only chunks needed no sooner
+        than ``nearest`` steps (later than it, if ``strictly``) may go."""
+        if nbytes > self.capacity:
+            return None
+        need = self.used + nbytes - self.capacity
+        if need <= 0:
+            return []
+        candidates = (c for c in self.lru.values() if c.pins == 0)
+        if self.steps is not None:
+            # one pass over the tier per eviction; a stable sort keeps LRU order among equals
+            ranked = [(self.steps(c), c) for c in candidates]
+            candidates = (c for d, c in sorted(ranked, key=lambda x: -x[0])
+                          if d > nearest or (d == nearest and not strictly))
+        out = []
+        for chunk in candidates:
+            if need <= 0:
+                break
+            out.append(chunk)
+            need -= chunk.nbytes
+        return out if need <= 0 else None
+
+    def add(self, chunk: Chunk) -> None:
+        self.lru[chunk.key] = chunk
+        self.used += chunk.nbytes
+
+    def remove(self, chunk: Chunk) -> None:
+        if self.lru.pop(chunk.key, None) is not None:
+            self.used -= chunk.nbytes
+
+
+class ChunkStore:
+    """The index and the local tiers' budgets, and what this step changes in
+    them for the workers: chunks to store (``stores``) and to delete
+    (``evictions``)."""
+
+    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, steps: Callable[[Chunk], float] | None = None):
+        self.stats = stats
+        self.index: dict[bytes, tuple[Chunk, int]] = {}
+        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, steps)}
+        if cfg.disk_dir:
+            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, steps)
+        self.stores: dict[bytes, StoreOp] = {}
+        self.evictions: dict[Tier, list[bytes]] = {}
+
+    @property
+    def host(self) -> TierBudget:
+        return self.budgets[HOST]
+
+    def take_step(self) -> tuple[list[StoreOp], dict[Tier, list[bytes]]]:
+        """This step's stores (those still bound for a tier) and deletions, handed to the workers."""
+        stores, evictions = [op for op in self.stores.values() if op.tiers], self.evictions
+        self.stores, self.evictions = {}, {}
+        return stores, evictions
+
+    def add(self, chunk: Chunk) -> None:
+        """Index every block of ``chunk``."""
+        for row, h in enumerate(chunk.block_hashes):
+            self.index[h] = (chunk, row)
+
+    def indexed(self, chunk: Chunk) -> bool:
+        return self.index.get(chunk.block_hashes[-1], (None,))[0] is chunk
+
+    def admit(self, chunk: Chunk, tier: Tier, present: bool = True) -> bool:
+        """Make room (evicting in the tier's order) and account ``chunk`` in a local
+        tier; ``present=False`` reserves the room for a copy still on its way (a
+        promotion), which lookups may use once it has landed."""
+        budget = self.budgets[tier]
+        victims = budget.victims_for(chunk.nbytes, budget.steps(chunk) if budget.steps else 0)
+        if victims is None:
+            return False
+        for victim in victims:
+            self.evict(victim, tier)
+        budget.add(chunk)
+        if present:
+            chunk.tiers.add(tier)
+        return True
+
+    def evict(self, chunk: Chunk, tier: Tier) -> None:
+        self.drop_copy(chunk, tier)
+        pending = self.stores.get(chunk.key)
+        if pending is not None:
+            pending.tiers.discard(tier)        # not written yet: nothing to delete
+        else:
+            self.evictions.setdefault(tier, []).append(chunk.key)
+        self.stats.add("evicted_chunks", label=tier)
+
+    def drop_copy(self, chunk: Chunk, tier: Tier) -> None:
+        """Account a copy gone from a tier; a chunk in no local tier is forgotten."""
+        self.budgets[tier].remove(chunk)
+        chunk.tiers.discard(tier)
+        if tier == HOST and chunk.prefetched:
+            chunk.prefetched = False
+            self.stats.add("prefetches", label="wasted")
+        if not chunk.tiers:
+            for h in chunk.block_hashes:
+                if self.index.get(h, (None,))[0] is chunk:
+                    del self.index[h]
+
+    def drop(self, key: bytes) -> None:
+        """Forget a chunk everywhere (it failed verification)."""
+        entry = self.index.get(key)
+        if entry is None or entry[0].key != key:
+            return
+        chunk = entry[0]
+        for tier in list(chunk.tiers):
+            self.evict(chunk, tier)
+
+    def disable_disk(self) -> None:
+        """The disk tier is gone (a worker could not write it): its copies with it."""
+        disk = self.budgets.get(DISK)
+        if disk is None:
+            return
+        for chunk in list(disk.lru.values()):
+            self.drop_copy(chunk, DISK)              # the copies are gone: no deletes to send
+        del self.budgets[DISK]
+
+    def reset(self) -> None:
+        """Forget every unpinned chunk in every tier."""
+        for tier, budget in list(self.budgets.items()):
+            for chunk in [c for c in budget.lru.values() if c.pins == 0]:
+                self.evict(chunk, tier)
