@@ -6,6 +6,11 @@
 2. The connector's host<->device copy path (PagedRegions) vs a raw pinned
    ``copy_`` of the same bytes, for a contiguous chunk and for scattered blocks.
 
+The KV comes from a trained model, captured on any machine with the model
+(``--capture MODEL``); the containers are encoded from it with libx265 where
+they are missing (on the GPU machine: the same encode the connector does):
+
+    python bench/gpu_checks.py --capture ../shared/models/tinycode-16m-4k --data .gpu_data
     python bench/gpu_checks.py --data .gpu_data --out results_dir
 """
 
@@ -69,6 +74,31 @@ def nvdec_checks(data_dir: Path) -> dict:
     return out
 
 
+RESOLUTIONS = (256, 512)
+
+
+def capture_kv(model: str, data_dir: Path) -> None:
+    from kv_capture import capture
+    kv, _ = capture(model, 2048)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(kv, data_dir / "kv_2048.pt")
+
+
+def encode_missing(data_dir: Path) -> dict:
+    """Encode kv_2048.pt at each resolution with libx265 (bit-exact quantizer),
+    where the container is not there yet; returns the encode times."""
+    from kvreel.codec import encode_chunk
+    kv = torch.load(data_dir / "kv_2048.pt")
+    times = {}
+    for r in RESOLUTIONS:
+        path = data_dir / f"kv_2048_r{r}.kvrc"
+        if not path.exists():
+            t0 = time.perf_counter()
+            path.write_bytes(encode_chunk(kv, quant="none", resolutions=(r,), encoder="cpu"))
+            times[path.name] = round(time.perf_counter() - t0, 2)
+    return times
+
+
 def copy_bench() -> dict:
     from kvreel.connector.block_copy import PagedRegions
     num_blocks, page = 4096, 64 * 1024           # 16 layers x 256 MiB
@@ -118,12 +148,49 @@ def copy_bench() -> dict:
     return res
 
 
+def selection_bench() -> dict:
+    """kvreel's per-step token choice (``select_tokens``, 1/8 of the history,
+    alpha 0.9) on the GPU, against the baseline it replaces: full attention of
+    the same queries over the whole history (SDPA). One layer shaped like a
+    Llama-3-8B (8 KV heads, 4 query heads each, head_dim 128), bf16, random
+    keys (the cost depends on sizes, not contents); a decode step (1 query
+    row) and a prefill chunk (512 rows). Median of 20 after 3 warm-ups."""
+    from kvreel.connector.retrieval.selection import select_tokens
+    H, G, D = 8, 4, 128
+    out = {}
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        t = []
+        for _ in range(20):
+            torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize()
+            t.append(time.perf_counter() - t0)
+        return sorted(t)[len(t) // 2] * 1e3
+
+    for tokens in (8192, 32768, 131072):
+        keys = torch.randn(H, tokens, D, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        for rows in (1, 512):
+            q = torch.randn(H, G * rows, D, device="cuda", dtype=torch.bfloat16)
+            sel = timed(lambda: select_tokens(q, keys, 0.9, tokens // 8, 128))
+            full = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q.view(H, G, rows, D).transpose(0, 1), keys.unsqueeze(0).expand(G, -1, -1, -1),
+                values.unsqueeze(0).expand(G, -1, -1, -1)))
+            out[f"{tokens}_tokens_{rows}_rows"] = {"select_ms": round(sel, 3), "full_attention_ms": round(full, 3)}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=".gpu_data")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--commit", help="the commit the copied tree is at, where it has no git history")
+    ap.add_argument("--capture", metavar="MODEL", help="only capture kv_2048.pt from MODEL into --data")
     a = ap.parse_args()
+    if a.capture:
+        capture_kv(a.capture, Path(a.data))
+        return
     result = {"benchmark": "gpu_checks", "commit": a.commit or commit(),
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine()}
     try:
@@ -131,6 +198,11 @@ def main():
     except Exception as e:  # report and keep going: one broken check must not hide the others
         result["copy_path_error"] = repr(e)
     try:
+        result["selection"] = selection_bench()
+    except Exception as e:
+        result["selection_error"] = repr(e)
+    try:
+        result["libx265_encode_s"] = encode_missing(Path(a.data))
         result["nvdec"] = nvdec_checks(Path(a.data))
     except Exception:
         import traceback

@@ -24,10 +24,10 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     H, R, _ = queries.shape
     k = min(count, keys.shape[1])
     if k <= 0:
-        return torch.empty(H, 0, dtype=torch.int64)
+        return torch.empty(H, 0, dtype=torch.int64, device=keys.device)
     keys_t = keys.transpose(1, 2)
     q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
-    best = torch.zeros(H, keys.shape[1])
+    best = torch.zeros(H, keys.shape[1], device=keys.device)
     totals = []
     for at in range(0, R, ROWS_AT_ONCE):           # a few rows at a time: the scores stay in the CPU's cache
         logits = torch.bmm(q[:, at:at + ROWS_AT_ONCE], keys_t).float()
