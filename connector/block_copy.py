@@ -146,11 +146,16 @@ class PagedRegions:
                     continue
                 runs = list(_runs(ids))
                 if self.is_cuda and len(runs) > MAX_DMA_RUNS:
+                    # scattered blocks: one DMA per region straight from the pinned rows
+                    # (an index on the host would first copy them into pageable memory),
+                    # then one scatter kernel; positions left out are dropped on the device
                     keep = [i for i, b in enumerate(ids) if b != NULL_BLOCK]
                     idx = torch.tensor([ids[i] for i in keep], dtype=torch.long, device=self.device)
-                    dev = src[lo - first_region:hi - first_region, keep].to(self.device, non_blocking=True)
+                    picked = (torch.tensor(keep, dtype=torch.long, device=self.device)
+                              if len(keep) < len(ids) else None)
                     for r in range(lo, hi):
-                        self.regions[r].index_copy_(0, idx, dev[r - lo])
+                        dev = src[r - first_region].to(self.device, non_blocking=True)
+                        self.regions[r].index_copy_(0, idx, dev if picked is None else dev.index_select(0, picked))
                     continue
                 for first, start, n in runs:
                     for r in range(lo, hi):
