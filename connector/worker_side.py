@@ -16,10 +16,11 @@ from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
-from kvreel.connector.stats import KVReelStats, collect_registered_stats
+from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import ChunkTier, Tier
 from kvreel.connector.tiers.disk import DiskTier
 from kvreel.connector.tiers.host import HostTier
+from kvreel.connector.worker_reports import WorkerReports
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,7 @@ class KVReelWorker:
         self._async: dict[str, Future] = {}
         # workflow prefetches (disk or remote -> host) on a thread of their own, behind nothing a request waits for
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-prefetch")
-        self._prefetched: dict[bytes, int] = {}
-        self._prefetch_failed: set[bytes] = set()
-        self._lock = threading.Lock()
-        self._load_errors: set[int] = set()
-        self._failed_requests: set[str] = set()
-        self._bad_keys: set[bytes] = set()
-        self._reported_bad: set[bytes] = set()
-        self.stats = KVReelStats()
+        self.reports = WorkerReports()
         self.retrieval = None           # the retrieval runtime (KVREEL_RETRIEVAL), imported only when on
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config,
@@ -124,21 +118,15 @@ class KVReelWorker:
                 raise ChunkUnavailable(f"the {tier.value} tier is disabled")
             data = source.get(key)
         except ChunkError as e:
-            with self._lock:
-                self._prefetch_failed.add(key)
-                if not isinstance(e, ChunkUnavailable):
-                    self._bad_keys.add(key)
-                    self.stats.add("corrupt_chunks", label=tier)
+            self.reports.prefetch_failed(key, tier, e)
             logger.warning("kvreel: prefetch of %s chunk %s failed (%s)", tier.value, key.hex()[:16], e)
             return
         except Exception:                # a bug here must not leave the scheduler's reservation behind
             logger.exception("kvreel: prefetch of %s chunk %s failed", tier.value, key.hex()[:16])
-            with self._lock:
-                self._prefetch_failed.add(key)
+            self.reports.prefetch_failed(key, tier, None)
             return
         self.tiers[Tier.HOST].put(key, [], data)
-        with self._lock:
-            self._prefetched[key] = 1
+        self.reports.prefetched(key)
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
@@ -146,7 +134,9 @@ class KVReelWorker:
             try:
                 self._load_history(op.req_id, piece)
             except ChunkError as e:
-                self._history_failed(op.req_id, piece, e)
+                self.reports.history_failed(op.req_id, piece, e)
+                if self.retrieval is not None:
+                    self.retrieval.drop(op.req_id)
                 return              # vLLM recomputes the request from scratch
         remote = [p for p in op.pieces if p.tier == Tier.REMOTE]
         for piece in op.pieces:
@@ -162,11 +152,12 @@ class KVReelWorker:
                 self.pages.scatter(data, piece.block_ids, piece.row_slice)
                 self._restored(piece, data, t0)
             except ChunkError as e:
-                self._failed(op.req_id, piece, e)
+                self.reports.failed(op.req_id, piece, e)
         if remote:
             if self.fetcher is None:
                 for piece in remote:
-                    self._failed(op.req_id, piece, ChunkUnavailable("remote tier is not configured on this worker"))
+                    self.reports.failed(op.req_id, piece,
+                                        ChunkUnavailable("remote tier is not configured on this worker"))
             else:
                 self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, op.req_id, remote))
 
@@ -182,25 +173,7 @@ class KVReelWorker:
             raise ChunkError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
         rows = data[:, piece.first:piece.first + piece.n]
         self.retrieval.add_history(req_id, piece.first_block, [self.retrieval.as_pages(r) for r in rows])
-        with self._lock:
-            self.stats.add("loaded_bytes", piece.n * self.pages.bytes_per_block, piece.tier)
-            self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
-            self.stats.add("load_count", 1, piece.tier)
-
-    def _history_failed(self, req_id: str, piece: HistoryPiece, e: ChunkError) -> None:
-        """History that cannot be brought back is never attended to: the request
-        is reported as a failed load, and vLLM recomputes it from its start
-        (without the damaged chunk, which the scheduler forgets)."""
-        with self._lock:
-            self._failed_requests.add(req_id)
-            self._bad_keys.add(piece.key)
-            if not isinstance(e, ChunkUnavailable):
-                self.stats.add("corrupt_chunks", label=piece.tier)
-            self.stats.add("load_errors", piece.n)
-        if self.retrieval is not None:
-            self.retrieval.drop(req_id)
-        logger.warning("kvreel: could not load the history of request %s (%s chunk %s: %s); "
-                       "it is recomputed from its start", req_id, piece.tier.value, piece.key.hex()[:16], e)
+        self.reports.loaded(piece.tier, piece.n * self.pages.bytes_per_block, t0)
 
     def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
         """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
@@ -213,27 +186,7 @@ class KVReelWorker:
         """Book a chunk whose blocks now hold its KV (and keep it in the host tier if planned)."""
         if piece.promote_to_host:
             self.tiers[Tier.HOST].put(piece.key, [], data)
-        with self._lock:
-            self.stats.add("loaded_bytes", piece.rows * self.pages.bytes_per_block, piece.tier)
-            self.stats.add("load_seconds", time.perf_counter() - t0, piece.tier)
-            self.stats.add("load_count", 1, piece.tier)
-
-    def _failed(self, req_id: str, piece: LoadPiece, e: ChunkError) -> None:
-        with self._lock:
-            if len(piece.block_ids) == 1:
-                self._load_errors.update(piece.block_ids[0])
-            else:       # block ids are unique only within a KV cache group: vLLM recomputes the request
-                self._failed_requests.add(req_id)
-            self._bad_keys.add(piece.key)
-            if not isinstance(e, ChunkUnavailable):
-                self.stats.add("corrupt_chunks", label=piece.tier)
-            self.stats.add("load_errors", piece.rows)
-            first_report = piece.key not in self._reported_bad
-            self._reported_bad.add(piece.key)
-        if first_report:
-            what = "could not load" if isinstance(e, ChunkUnavailable) else "rejected"
-            logger.warning("kvreel: %s %s chunk %s (%s); its %d blocks will be recomputed",
-                           what, piece.tier.value, piece.key.hex()[:16], e, piece.rows)
+        self.reports.loaded(piece.tier, piece.rows * self.pages.bytes_per_block, t0)
 
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
@@ -247,9 +200,8 @@ class KVReelWorker:
             for tier in op.tiers:
                 if tier in self.tiers:
                     self.tiers[tier].put(op.key, op.block_hashes, data)
-            with self._lock:
-                self.stats.add("save_seconds", time.perf_counter() - t0)
-                self.stats.add("save_count")
+            self.reports.count("save_seconds", time.perf_counter() - t0)
+            self.reports.count("save_count")
 
     # -- reporting -------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -257,41 +209,21 @@ class KVReelWorker:
         done = {rid for rid, fut in self._async.items() if fut.done()}
         for rid in done:
             self._async.pop(rid).result()  # re-raise bugs, never swallow them
-        with self._lock:
-            failed = self._failed_requests & done
-            self._failed_requests -= failed
-        return set(), done, failed
+        return set(), done, self.reports.take_failed_requests(done)
 
     def take_load_errors(self) -> set[int]:
-        with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.reports.take_load_errors()
 
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
-        with self._lock:
-            bad, self._bad_keys = self._bad_keys, set()
-            landed, self._prefetched = self._prefetched, {}
-            lost, self._prefetch_failed = self._prefetch_failed, set()
         disk = self.tiers.get(Tier.DISK)
-        failed = disk.take_failed_writes() if disk is not None else set()
-        meta = KVReelWorkerMeta(bad, failed, self._disk_disabled, landed, lost)
+        meta = self.reports.take_meta(disk.take_failed_writes() if disk is not None else set(), self._disk_disabled)
         if self._disk_disabled:
             self.tiers.pop(Tier.DISK, None)
             self._disk_disabled = None
-        return None if meta.is_empty() else meta
+        return meta
 
     def take_stats(self) -> KVReelStats | None:
-        with self._lock:
-            remote = self.tiers.get(Tier.REMOTE)
-            if remote is not None:
-                failures = remote.take_upload_failures()
-                if failures:
-                    self.stats.add("remote_upload_failures", failures)
-                for form, seconds in remote.take_encode_seconds().items():
-                    self.stats.add("encode_seconds", seconds, form)
-            for extra in collect_registered_stats():
-                self.stats.aggregate(extra)
-            return self.stats.take()
+        return self.reports.take_stats(self.tiers.get(Tier.REMOTE))
 
     def shutdown(self) -> None:
         for fut in list(self._async.values()):
@@ -322,15 +254,13 @@ class _RemoteRestore:
 
     def done(self, result) -> None:
         w, piece = self.worker, self.pieces[result.index]
-        with w._lock:
-            w.stats.add("remote_fetches", 1, result.form)
-            w.stats.add("remote_fetch_bytes", result.wire_bytes, result.form)
-            w.stats.add("remote_transfer_seconds", result.transmit_s, result.form)
-            w.stats.add("decode_seconds", result.decode_s, result.form)
+        for name, value in (("remote_fetches", 1), ("remote_fetch_bytes", result.wire_bytes),
+                            ("remote_transfer_seconds", result.transmit_s), ("decode_seconds", result.decode_s)):
+            w.reports.count(name, value, result.form)
         try:
             if result.error is not None:
                 raise result.error if isinstance(result.error, ChunkError) else ChunkUnavailable(str(result.error))
             w._check_fits(result.payload, piece)      # every region arrived through part()
             w._restored(piece, result.payload, self.t0)
         except ChunkError as e:
-            w._failed(self.req_id, piece, e)
+            w.reports.failed(self.req_id, piece, e)
