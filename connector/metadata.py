@@ -89,13 +89,15 @@ class KVReelMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVReelWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: chunks that must be forgotten, tiers that broke,
-    prefetches that landed (counted per worker: each holds its own shard)."""
+    """Worker -> scheduler: chunks that must be forgotten, a disk tier that went
+    off or came back, prefetches that landed (counted per worker: each holds
+    its own shard)."""
     bad_keys: set[bytes] = field(default_factory=set)          # failed verification
     failed_disk_keys: set[bytes] = field(default_factory=set)  # write did not land
     disk_disabled: str | None = None
     prefetched: dict[bytes, int] = field(default_factory=dict)
     prefetch_failed: set[bytes] = field(default_factory=set)
+    disk_recovered: bool = False
 
     def aggregate(self, other: "KVReelWorkerMeta") -> "KVReelWorkerMeta":
         landed = dict(self.prefetched)
@@ -104,8 +106,9 @@ class KVReelWorkerMeta(KVConnectorWorkerMetadata):
         return KVReelWorkerMeta(self.bad_keys | other.bad_keys,
                                 self.failed_disk_keys | other.failed_disk_keys,
                                 self.disk_disabled or other.disk_disabled,
-                                landed, self.prefetch_failed | other.prefetch_failed)
+                                landed, self.prefetch_failed | other.prefetch_failed,
+                                self.disk_recovered or other.disk_recovered)
 
     def is_empty(self) -> bool:
         return not (self.bad_keys or self.failed_disk_keys or self.disk_disabled or self.prefetched
-                    or self.prefetch_failed)
+                    or self.prefetch_failed or self.disk_recovered)

@@ -93,12 +93,13 @@ class WorkerReports:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_meta(self, failed_writes: set[bytes], disk_disabled: str | None) -> KVReelWorkerMeta | None:
+    def take_meta(self, failed_writes: set[bytes], disk_disabled: str | None,
+                  disk_recovered: bool) -> KVReelWorkerMeta | None:
         with self.lock:
             bad, self._bad_keys = self._bad_keys, set()
             landed, self._prefetched = self._prefetched, {}
             lost, self._prefetch_failed = self._prefetch_failed, set()
-        meta = KVReelWorkerMeta(bad, failed_writes, disk_disabled, landed, lost)
+        meta = KVReelWorkerMeta(bad, failed_writes, disk_disabled, landed, lost, disk_recovered)
         return None if meta.is_empty() else meta
 
     def take_stats(self, remote) -> KVReelStats | None:

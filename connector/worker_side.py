@@ -34,7 +34,7 @@ class KVReelWorker:
         self.pages: PagedRegions | None = None
         self.tiers: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
         self.fetcher = None
-        self._disk_disabled: str | None = None
+        self.disk: DiskTier | None = None      # in ``tiers`` while it takes writes
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
         self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
@@ -56,9 +56,9 @@ class KVReelWorker:
                                    f"(this engine packs {self.retrieval.num_layers} layers into "
                                    f"{len(self.pages.regions)} regions)")
         if self.cfg.disk_dir:
-            self.tiers[Tier.DISK] = DiskTier(self.cfg.disk_dir, self.identity, self.rank,
-                                             self.cfg.disk_write_queue, on_error=self._on_disk_error,
-                                             description=self.description)
+            self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
+                                 description=self.description)
+            self.tiers[Tier.DISK] = self.disk
         if self.cfg.remote_url:
             self._start_remote(kv_cache_config)
 
@@ -86,9 +86,6 @@ class KVReelWorker:
         payload = synthetic_payload(torch.Size(chunk_shape))
         threading.Thread(target=profile.measure, name="kvreel-decode-profile", daemon=True, args=(
             forms.names(), lambda: forms.encode([bytes(32)] * chunk_shape[1], payload), forms.decode)).start()
-
-    def _on_disk_error(self, msg: str) -> None:
-        self._disk_disabled = msg
 
     # -- loads ---------------------------------------------------------------
     def bind(self, meta: KVReelMetadata) -> None:
@@ -215,12 +212,14 @@ class KVReelWorker:
         return self.reports.take_load_errors()
 
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
-        disk = self.tiers.get(Tier.DISK)
-        meta = self.reports.take_meta(disk.take_failed_writes() if disk is not None else set(), self._disk_disabled)
-        if self._disk_disabled:
+        if self.disk is None:
+            return self.reports.take_meta(set(), None, False)
+        went_off, came_back = self.disk.take_changes()
+        if went_off:
             self.tiers.pop(Tier.DISK, None)
-            self._disk_disabled = None
-        return meta
+        if came_back:
+            self.tiers[Tier.DISK] = self.disk
+        return self.reports.take_meta(self.disk.take_failed_writes(), went_off, came_back)
 
     def take_stats(self) -> KVReelStats | None:
         return self.reports.take_stats(self.tiers.get(Tier.REMOTE))
@@ -230,12 +229,11 @@ class KVReelWorker:
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
-        disk = self.tiers.get(Tier.DISK)
-        if disk is not None:
-            disk.flush()
+        if self.disk is not None:
+            self.disk.flush()
         if self.fetcher is not None:
             self.fetcher.close()
-        for tier in self.tiers.values():
+        for tier in {*self.tiers.values(), *filter(None, [self.disk])}:
             tier.close()
 
 

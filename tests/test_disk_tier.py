@@ -4,6 +4,7 @@ failed writes reported exactly once."""
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -74,12 +75,30 @@ def test_foreign_identity_is_refused(tmp_path):
 def test_unwritable_directory_disables_the_tier(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    reasons = []
-    tier = DiskTier(blocker, ID, 0, queue_size=4, on_error=reasons.append)
-    assert not tier.enabled and "is not writable" in reasons[0]
+    tier = DiskTier(blocker, ID, 0, queue_size=4)
+    went_off, came_back = tier.take_changes()
+    assert not tier.enabled and "is not writable" in went_off and not came_back
+    assert tier.take_changes() == (None, False)
     assert not tier.put(b"\x02" * 32, [b"\x00" * 32], payload(1))
     assert tier.take_failed_writes() == {b"\x02" * 32}
     assert tier.take_failed_writes() == set()
+    tier.close()
+
+
+def test_a_directory_that_becomes_writable_turns_the_tier_back_on(tmp_path):
+    blocker = tmp_path / "disk"
+    blocker.write_text("x")                    # where the tier's directory should be: not writable
+    tier = DiskTier(blocker, ID, 0, queue_size=4)
+    assert not tier.enabled and "is not writable" in tier.take_changes()[0]
+    blocker.unlink()                           # the operator frees it; the writer's probe finds out
+    deadline = time.monotonic() + 10
+    while not tier.enabled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tier.enabled and tier.take_changes() == (None, True)
+    key, data = b"\x03" * 32, payload(2)
+    assert tier.put(key, [bytes([i]) * 32 for i in range(2)], data)
+    tier.flush()
+    assert torch.equal(read_file(tier.path(key))[1], data)
     tier.close()
 
 

@@ -10,6 +10,8 @@ import subprocess
 import pytest
 
 from conftest import run_scenario, tokens
+from kvreel.codec.formats import ChunkError
+from kvreel.connector.tiers.disk import scan_chunk_files
 
 pytestmark = pytest.mark.vllm
 
@@ -67,22 +69,38 @@ def test_truncated_and_foreign_files_are_misses(tiny_model, tmp_path):
     assert again["phases"][0][0]["logprobs"] == reel["phases"][0][0]["logprobs"]
 
 
-def test_full_disk_disables_the_tier_and_serving_continues(tiny_model, tmp_path):
+def test_a_disk_that_fills_turns_the_tier_off_and_back_on_when_freed(tiny_model, tmp_path):
+    """A tmpfs filled by another file: the chunk write fails (ENOSPC), the disk
+    tier goes off and serving continues from host memory; once the file is
+    removed the tier's probe turns it back on and new chunks land on disk."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if mount.returncode != 0:
         if os.geteuid() == 0:        # root can mount: a failure here is a broken test machine, not a reason to skip
             pytest.fail(f"mounting a small tmpfs failed as root: {mount.stderr.strip()}")
         pytest.skip("cannot mount a small tmpfs here (needs root)")
+    q, r = tokens(600, 2), tokens(600, 3)
     try:
-        base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
-        reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": str(mnt)},
-                             "phases": [{"prompts": [P]}, {"before": "reset_prefix_cache", "prompts": [P]}]})
+        base = run_scenario({"model": tiny_model, "phases": [{"prompts": [p]} for p in (P, P, q, r, r)]})
+        reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": str(mnt)}, "phases": [
+            {"before": f"shell:dd if=/dev/zero of={mnt}/filler bs=64k 2>/dev/null || true", "prompts": [P]},
+            {"before": "reset_prefix_cache", "prompts": [P]},
+            {"before": f"shell:rm {mnt}/filler && sleep 10", "prompts": [q]},   # the probe backs off to 8 s at most
+            {"prompts": [r]},
+            {"before": "reset_prefix_cache", "prompts": [r]}]})
+        files = list(scan_chunk_files(mnt, next(d.name for d in mnt.iterdir() if d.is_dir())))
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
-    assert "disk tier disabled" in reel["log"]
-    assert reel["phases"][1][0] == {**base["phases"][1][0]}     # the host tier still serves, exactly
+    assert "disk tier disabled" in reel["log"] and "disk tier back on" in reel["log"]
+    assert reel["metrics"]["vllm:kvreel_disk_write_failures_total"] >= 1
+    assert files and not any(isinstance(header, ChunkError) for *_, header in files)
+    # vLLM with any KV connector attached (its own ExampleConnector too) decodes some
+    # fresh prompts (q, r) in different low bits than without one; P is not among them
+    for phase, (got, want) in enumerate(zip(reel["phases"], base["phases"])):
+        assert got[0]["token_ids"] == want[0]["token_ids"], phase
+    assert [ph[0]["logprobs"] for ph in reel["phases"][:2]] == [ph[0]["logprobs"] for ph in base["phases"][:2]]
+    assert reel["phases"][1][0]["num_cached_tokens"] > 0 and reel["phases"][4][0]["num_cached_tokens"] > 0
 
 
 def test_unwritable_disk_dir_disables_the_tier(tiny_model, tmp_path):

@@ -92,6 +92,11 @@ class KVReelScheduler:
                 continue
             found.append((path.stat().st_mtime, key, header))
         for _, key, header in sorted(found):
+            held = self.store.index.get(key, (None,))[0]
+            if held is not None and held.key == key:        # in host memory still (the disk came back)
+                if DISK not in held.tiers:
+                    self.store.admit(held, DISK)
+                continue
             chunk = Chunk(key, list(header.block_hashes), header.payload_bytes)
             if self.store.admit(chunk, DISK):
                 self.store.add(chunk)
@@ -172,6 +177,10 @@ class KVReelScheduler:
             if meta.disk_disabled and DISK in self.store.budgets:
                 logger.error("kvreel: disk tier disabled by a worker: %s", meta.disk_disabled)
                 self.store.disable_disk()
+            if meta.disk_recovered and self.cfg.disk_dir and DISK not in self.store.budgets:
+                self.store.enable_disk(self.cfg.disk_bytes)
+                self._adopt_disk_chunks()
+                logger.warning("kvreel: disk tier back on (%d chunk files adopted)", len(self.store.budgets[DISK].lru))
             for key in meta.failed_disk_keys:
                 self.stats.add("disk_write_failures")
                 entry = self.store.index.get(key)

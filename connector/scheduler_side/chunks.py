@@ -178,6 +178,11 @@ class ChunkStore:
             self.drop_copy(chunk, DISK)              # the copies are gone: no deletes to send
         del self.budgets[DISK]
 
+    def enable_disk(self, capacity: int) -> None:
+        """The disk tier takes writes again: an empty budget (its files are adopted anew)."""
+        if DISK not in self.budgets:
+            self.budgets[DISK] = TierBudget(DISK, capacity, self.host.steps)
+
     def reset(self) -> None:
         """Forget every unpinned chunk in every tier."""
         for tier, budget in list(self.budgets.items()):

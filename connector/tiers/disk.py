@@ -10,9 +10,10 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -25,32 +26,37 @@ logger = logging.getLogger(__name__)
 
 # errors that mean the directory cannot take writes any more (not one bad file)
 _TIER_BROKEN = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+# a disabled tier probes its directory again after 1 s, then 2, 4, 8 (at most)
+PROBE_FIRST_S, PROBE_MAX_S = 1.0, 8.0
 
 
 class DiskTier:
     """Files for one (model identity, rank). Writes run on a background thread
     in submission order, so a delete queued after a write always wins; a write
-    that did not land is reported through ``take_failed_writes``."""
+    that did not land is reported through ``take_failed_writes``.
+
+    A full, read-only or vanished directory turns the tier off (``take_changes``
+    says so once); the writer thread then probes it with backoff and turns it
+    back on once it takes a chunk's worth of bytes again."""
 
     kind = Tier.DISK
 
     def __init__(self, root: str | Path, identity: str, rank: int, queue_size: int,
-                 on_error: Callable[[str], None] | None = None, description: dict | None = None):
+                 description: dict | None = None):
         self.root, self.identity, self.rank = root, identity, rank
         self.dir = chunk_dir(root, identity, rank)
         self.enabled = True
-        self._on_error = on_error or (lambda msg: None)
+        self._description = description
         self._pending: dict[bytes, torch.Tensor] = {}   # written soon; readable meanwhile
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._failed: set[bytes] = set()                 # writes that did not land, until taken
+        self._went_off: str | None = None                # why the tier turned off, until taken
+        self._came_back = False                          # it turned on again, until taken
+        self._probe_in = PROBE_FIRST_S
+        self._needed = 0                                 # bytes of the write that failed
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / ".kvreel-write-test"
-            probe.write_bytes(b"ok")
-            probe.unlink()
-            if description is not None:
-                write_description(root, identity, description)
+            self._probe()
         except OSError as e:
             self._disable(f"disk tier directory {self.dir} is not writable ({e})")
         self._thread = threading.Thread(target=self._run, name="kvreel-disk-writer", daemon=True)
@@ -86,6 +92,13 @@ class DiskTier:
             failed, self._failed = self._failed, set()
         return failed
 
+    def take_changes(self) -> tuple[str | None, bool]:
+        """(why the tier turned off, whether it came back) since the last call."""
+        with self._lock:
+            changes = self._went_off, self._came_back
+            self._went_off, self._came_back = None, False
+        return changes
+
     def _fail(self, key: bytes) -> None:
         with self._lock:
             self._failed.add(key)
@@ -93,9 +106,37 @@ class DiskTier:
     def flush(self) -> None:
         self._queue.join()
 
+    def _probe(self) -> None:
+        """Raise OSError unless the directory takes a write and has room for the
+        write that failed (statvfs: a probe file that size would cost a disk
+        write per probe)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        probe = self.dir / ".kvreel-write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        if shutil.disk_usage(self.dir).free < 2 * self._needed:
+            raise OSError(errno.ENOSPC, f"{shutil.disk_usage(self.dir).free} bytes free, "
+                                        f"a chunk needs {self._needed}")
+        if self._description is not None:
+            write_description(self.root, self.identity, self._description)
+
+    def _probe_again(self) -> None:
+        try:
+            self._probe()
+        except OSError:
+            self._probe_in = min(PROBE_MAX_S, self._probe_in * 2)
+            return
+        logger.warning("kvreel: disk tier %s takes writes again; disk tier back on", self.dir)
+        with self._lock:
+            self.enabled, self._came_back = True, True
+
     def _run(self) -> None:
         while True:
-            op, key, hashes, payload = self._queue.get()
+            try:
+                op, key, hashes, payload = self._queue.get(timeout=None if self.enabled else self._probe_in)
+            except queue.Empty:
+                self._probe_again()
+                continue
             try:
                 if op == "stop":
                     return
@@ -116,6 +157,7 @@ class DiskTier:
             with open(tmp, "wb") as f:
                 f.writelines(encode_chunk_file(self.identity, hashes, payload))
             os.replace(tmp, path)   # readers never see a half-written chunk
+            self._probe_in = PROBE_FIRST_S
         except OSError as e:
             self._fail(key)
             try:
@@ -123,6 +165,7 @@ class DiskTier:
             except OSError:
                 pass
             if e.errno in _TIER_BROKEN:
+                self._needed = payload.numel() * payload.element_size()
                 self._disable(f"disk tier write failed ({e}); disk tier disabled, serving continues "
                               "from the other tiers")
             else:
@@ -138,10 +181,11 @@ class DiskTier:
             logger.warning("kvreel: could not delete %s: %s", self.path(key), e)
 
     def _disable(self, msg: str) -> None:
-        if self.enabled:
-            self.enabled = False
-            logger.error("kvreel: %s", msg)
-            self._on_error(msg)
+        with self._lock:
+            if not self.enabled:
+                return
+            self.enabled, self._went_off = False, msg
+        logger.error("kvreel: %s", msg)
 
     # -- reads -----------------------------------------------------------------
     def get(self, key: bytes) -> torch.Tensor:
