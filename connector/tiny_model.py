@@ -1,5 +1,5 @@
-"""Build tiny random-weight models (a Llama; a Gemma-3-style hybrid) plus a BPE
-tokenizer that vLLM can serve.
+"""Build tiny random-weight models plus a BPE tokenizer that vLLM can serve
+(a Llama here; the tests add a Gemma-3-style hybrid).
 
 Model hubs are unreachable on CI and on many operators' build machines, so the
 demo, the tests and the exactness benchmarks create their model locally. Random
@@ -26,7 +26,7 @@ def corpus_files() -> list[str]:
     return [f for f in files if Path(f).exists()]
 
 
-def _build(out_dir: str | Path, spec: dict, make_model) -> Path:
+def build_random_model(out_dir: str | Path, spec: dict, make_model) -> Path:
     """Write ``make_model(tokenizer, common_config_fields)``'s random-weight model
     and a tokenizer to ``out_dir``; nothing to do if it already holds ``spec``'s model."""
     out = Path(out_dir)
@@ -90,39 +90,7 @@ def build_tiny_llama(
     def make(tokenizer, common):
         from transformers import LlamaConfig, LlamaForCausalLM
         return LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=num_layers))
-    return _build(out_dir, spec, make)
-
-
-def build_tiny_gemma3(
-    out_dir: str | Path,
-    *,
-    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
-    sliding_window: int = 64,
-    hidden_size: int = 256,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    vocab_size: int = 2048,
-    max_position_embeddings: int = 8192,
-    dtype: str = "bfloat16",
-    seed: int = 0,
-) -> Path:
-    """A Gemma-3-style text model mixing sliding-window and full-attention layers
-    (a hybrid model: vLLM's hybrid KV cache manager gives each kind its own KV
-    cache group), random weights, written to ``out_dir`` (idempotent)."""
-    spec = dict(
-        arch="gemma3_text", layer_types=list(layer_types), sliding_window=sliding_window, hidden_size=hidden_size,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
-    )
-
-    def make(tokenizer, common):
-        # untied: tied random embeddings predict the input token, over and over
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-        return Gemma3ForCausalLM(Gemma3TextConfig(
-            **common, num_hidden_layers=len(layer_types), layer_types=list(layer_types),
-            sliding_window=sliding_window, head_dim=head_dim, pad_token_id=tokenizer.eos_token_id))
-    return _build(out_dir, spec, make)
+    return build_random_model(out_dir, spec, make)
 
 
 if __name__ == "__main__":

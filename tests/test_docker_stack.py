@@ -28,7 +28,7 @@ import pytest
 
 from conftest import free_port, tokens
 from kvreel.connector.cli import _http
-from kvreel.connector.stats import read_counters
+from bench.common import read_counters
 
 pytestmark = pytest.mark.docker
 

@@ -28,7 +28,7 @@ HMA_OFF = "Hybrid KV cache manager is disabled"
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory) -> str:
     """A Gemma-3-style model: two sliding-window (64 tokens) and two full-attention layers."""
-    from kvreel.connector.tiny_model import build_tiny_gemma3
+    from hybrid_model import build_tiny_gemma3
     return str(build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")))
 
 
