@@ -14,7 +14,7 @@ import importlib
 import os
 import re
 from dataclasses import dataclass, make_dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, get_type_hints
 
 from kvreel.codec.formats import FORM_KINDS, RAW, VIDEO_FORM, ZSTD, form_kind, form_resolution
 from kvreel.codec.layout import NVDEC_MIN_SIDE
@@ -259,8 +259,13 @@ class _Loading:
                               f"({PREFIX}REMOTE_RESOLUTIONS={','.join(map(str, self.remote_resolutions))})")
 
 
+def _value_type(parse: Callable[[str], Any]) -> Any:
+    """What a setting's parser returns: the type of its config field."""
+    return parse if isinstance(parse, type) else get_type_hints(parse)["return"]
+
+
 KVReelConfig = make_dataclass(
-    "KVReelConfig", [(s.name.lower(), Any) for s in SETTINGS], bases=(_Loading,), frozen=True,
+    "KVReelConfig", [(s.name.lower(), _value_type(s.parse)) for s in SETTINGS], bases=(_Loading,), frozen=True,
     namespace={"__doc__": "kvreel's validated settings: ``cfg.cpu_bytes`` is KVREEL_CPU_BYTES, and so on.",
                "__module__": __name__})
 

@@ -89,26 +89,26 @@ class KVReelMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVReelWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: chunks that must be forgotten, a disk tier that went
-    off or came back, prefetches that landed (counted per worker: each holds
-    its own shard)."""
+    """Worker -> scheduler: chunks that must be forgotten, writes that did not
+    land and tiers that went off or came back (per tier), prefetches that
+    landed (counted per worker: each holds its own shard)."""
     bad_keys: set[bytes] = field(default_factory=set)          # failed verification
-    failed_disk_keys: set[bytes] = field(default_factory=set)  # write did not land
-    disk_disabled: str | None = None
+    failed_writes: dict[Tier, set[bytes]] = field(default_factory=dict)
+    tiers_off: dict[Tier, str] = field(default_factory=dict)   # why
+    tiers_back: set[Tier] = field(default_factory=set)
     prefetched: dict[bytes, int] = field(default_factory=dict)
     prefetch_failed: set[bytes] = field(default_factory=set)
-    disk_recovered: bool = False
 
     def aggregate(self, other: "KVReelWorkerMeta") -> "KVReelWorkerMeta":
         landed = dict(self.prefetched)
         for key, n in other.prefetched.items():
             landed[key] = landed.get(key, 0) + n
-        return KVReelWorkerMeta(self.bad_keys | other.bad_keys,
-                                self.failed_disk_keys | other.failed_disk_keys,
-                                self.disk_disabled or other.disk_disabled,
-                                landed, self.prefetch_failed | other.prefetch_failed,
-                                self.disk_recovered or other.disk_recovered)
+        failed = {t: self.failed_writes.get(t, set()) | other.failed_writes.get(t, set())
+                  for t in {*self.failed_writes, *other.failed_writes}}
+        return KVReelWorkerMeta(self.bad_keys | other.bad_keys, failed, {**other.tiers_off, **self.tiers_off},
+                                self.tiers_back | other.tiers_back, landed,
+                                self.prefetch_failed | other.prefetch_failed)
 
     def is_empty(self) -> bool:
-        return not (self.bad_keys or self.failed_disk_keys or self.disk_disabled or self.prefetched
-                    or self.prefetch_failed or self.disk_recovered)
+        return not (self.bad_keys or self.failed_writes or self.tiers_off or self.tiers_back or self.prefetched
+                    or self.prefetch_failed)

@@ -13,7 +13,7 @@ import time
 from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.metadata import HistoryPiece, KVReelWorkerMeta, LoadPiece
 from kvreel.connector.stats import KVReelStats, collect_registered_stats
-from kvreel.connector.tiers import Tier
+from kvreel.connector.tiers import ChunkTier, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -93,23 +93,30 @@ class WorkerReports:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_meta(self, failed_writes: set[bytes], disk_disabled: str | None,
-                  disk_recovered: bool) -> KVReelWorkerMeta | None:
+    def take_meta(self, tiers: dict[Tier, ChunkTier]) -> KVReelWorkerMeta | None:
+        """What the scheduler must hear since the last call, with every tier's
+        failed writes and changes (``tiers``: each tier, on or off)."""
+        meta = KVReelWorkerMeta()
+        for kind, tier in tiers.items():
+            failed = tier.take_failed_writes()
+            if failed:
+                meta.failed_writes[kind] = failed
+            went_off, came_back = tier.take_changes()
+            if went_off:
+                meta.tiers_off[kind] = went_off
+            if came_back:
+                meta.tiers_back.add(kind)
         with self.lock:
-            bad, self._bad_keys = self._bad_keys, set()
-            landed, self._prefetched = self._prefetched, {}
-            lost, self._prefetch_failed = self._prefetch_failed, set()
-        meta = KVReelWorkerMeta(bad, failed_writes, disk_disabled, landed, lost, disk_recovered)
+            meta.bad_keys, self._bad_keys = self._bad_keys, set()
+            meta.prefetched, self._prefetched = self._prefetched, {}
+            meta.prefetch_failed, self._prefetch_failed = self._prefetch_failed, set()
         return None if meta.is_empty() else meta
 
-    def take_stats(self, remote) -> KVReelStats | None:
-        """The counters since the last call, with the remote tier's and other features' own."""
+    def take_stats(self, tiers: dict[Tier, ChunkTier]) -> KVReelStats | None:
+        """The counters since the last call, with the tiers' encode times and other features' own."""
         with self.lock:
-            if remote is not None:
-                failures = remote.take_upload_failures()
-                if failures:
-                    self.stats.add("remote_upload_failures", failures)
-                for form, seconds in remote.take_encode_seconds().items():
+            for tier in tiers.values():
+                for form, seconds in tier.take_encode_seconds().items():
                     self.stats.add("encode_seconds", seconds, form)
             for extra in collect_registered_stats():
                 self.stats.aggregate(extra)

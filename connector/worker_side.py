@@ -32,9 +32,9 @@ class KVReelWorker:
         self.description = description     # what the identity digest stands for (model, dtypes, layout)
         self.rank = rank
         self.pages: PagedRegions | None = None
-        self.tiers: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
+        self.every_tier: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
+        self.tiers: dict[Tier, ChunkTier] = dict(self.every_tier)     # those on (a full disk goes off a while)
         self.fetcher = None
-        self.disk: DiskTier | None = None      # in ``tiers`` while it takes writes
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
         self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
         self._async: dict[str, Future] = {}
@@ -56,9 +56,8 @@ class KVReelWorker:
                                    f"(this engine packs {self.retrieval.num_layers} layers into "
                                    f"{len(self.pages.regions)} regions)")
         if self.cfg.disk_dir:
-            self.disk = DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
-                                 description=self.description)
-            self.tiers[Tier.DISK] = self.disk
+            self.add_tier(DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
+                                    description=self.description))
         if self.cfg.remote_url:
             self._start_remote(kv_cache_config)
 
@@ -76,7 +75,7 @@ class KVReelWorker:
                             resolutions=cfg.remote_resolutions, kv_view=kv_view)
         forms.device = pages.device
         remote = RemoteTier(cfg.remote_url, forms, cfg.remote_timeout_s, cfg.remote_write_queue)
-        self.tiers[Tier.REMOTE] = remote
+        self.add_tier(remote)
         chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
         device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
         profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
@@ -211,29 +210,29 @@ class KVReelWorker:
     def take_load_errors(self) -> set[int]:
         return self.reports.take_load_errors()
 
+    def add_tier(self, tier: ChunkTier) -> None:
+        """Drive ``tier`` (one per kind) as the config asks; tests put a fake one in."""
+        self.every_tier[tier.kind] = self.tiers[tier.kind] = tier
+
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
-        if self.disk is None:
-            return self.reports.take_meta(set(), None, False)
-        went_off, came_back = self.disk.take_changes()
-        if went_off:
-            self.tiers.pop(Tier.DISK, None)
-        if came_back:
-            self.tiers[Tier.DISK] = self.disk
-        return self.reports.take_meta(self.disk.take_failed_writes(), went_off, came_back)
+        meta = self.reports.take_meta(self.every_tier)
+        for kind in meta.tiers_off if meta else ():
+            self.tiers.pop(kind, None)
+        for kind in meta.tiers_back if meta else ():
+            self.tiers[kind] = self.every_tier[kind]
+        return meta
 
     def take_stats(self) -> KVReelStats | None:
-        return self.reports.take_stats(self.tiers.get(Tier.REMOTE))
+        return self.reports.take_stats(self.every_tier)
 
     def shutdown(self) -> None:
         for fut in list(self._async.values()):
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
-        if self.disk is not None:
-            self.disk.flush()
         if self.fetcher is not None:
             self.fetcher.close()
-        for tier in {*self.tiers.values(), *filter(None, [self.disk])}:
+        for tier in self.every_tier.values():
             tier.close()
 
 

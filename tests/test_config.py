@@ -112,3 +112,13 @@ def test_vllms_own_server_refuses_a_bad_setting_in_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("kvreel: KVREEL_CPU_BYTES='lots' is invalid")
     assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_every_config_field_has_the_type_its_parser_returns():
+    import dataclasses
+    from typing import Any
+    types = {f.name: f.type for f in dataclasses.fields(KVReelConfig)}
+    assert Any not in types.values()
+    assert types["cpu_bytes"] is int and types["retrieval_alpha"] is float and types["remote_forms"] == tuple[str, ...]
+    defaults = dataclasses.asdict(KVReelConfig.load(env={}))
+    assert all(isinstance(defaults[name], t) for name, t in types.items() if isinstance(t, type))

@@ -39,3 +39,22 @@ def test_demo_shows_a_reuse_from_kvreel_and_every_tier_counter(tmp_path):
     hits = dict(re.findall(r'vllm:kvreel_lookup_hit_blocks_total\{.*tier="(\w+)"\} ([\d.]+)', out.stdout))
     assert float(hits["host"]) >= int(warm[1]) // 32
     assert hits["disk"] == hits["remote"] == "0.0"        # exported before their first hit
+
+
+@pytest.mark.vllm
+def test_the_readme_cpu_recipe_pasted_as_is_shows_a_kvreel_hit(tmp_path):
+    """README's own-server block for a CPU machine, run verbatim by bash (only
+    its port moved to a free one), from a directory whose .venv is this one."""
+    from pathlib import Path
+
+    from conftest import free_port
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"paste this block.*?```bash\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    out = subprocess.run(["bash", "-c", block.replace("8000", str(free_port()))], cwd=tmp_path, env=base,
+                         capture_output=True, text=True, timeout=600)
+    cached = [int(n) for n in re.findall(r"^cached prompt tokens: (\d+)$", out.stdout, re.M)]
+    assert cached[0] == 0 and cached[1] > 3000, out.stdout + out.stderr[-2000:] + \
+        (tmp_path / ".kvreel/server.log").read_text()[-3000:]
+    assert re.search(r'^vllm:kvreel_lookup_hit_blocks_total\{.*tier="host"\} (\d+)', out.stdout, re.M)

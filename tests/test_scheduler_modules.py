@@ -66,11 +66,11 @@ def test_the_store_indexes_evicts_and_forgets(tmp_path):
     assert not chunks[1].tiers and chunks[1].block_hashes[0] not in s.index
     stores, evictions = s.take_step()
     assert stores == [] and evictions[DISK] == [chunks[1].key] and s.evictions == {}
-    s.disable_disk()                                          # a worker could not write: copies gone, no deletes
+    s.turn_off(DISK)                                          # a worker could not write: copies gone, no deletes
     assert DISK not in s.budgets and not s.indexed(chunks[0]) and s.evictions == {}
-    s.enable_disk(10 * chunks[0].nbytes)                      # it takes writes again: an empty budget
+    s.turn_on(DISK, 10 * chunks[0].nbytes)                      # it takes writes again: an empty budget
     assert s.budgets[DISK].used == 0 and s.admit(chunks[2], DISK) and chunks[2].tiers == {HOST, DISK}
-    s.enable_disk(1)                                          # already on: kept as it is
+    s.turn_on(DISK, 1)                                         # already on: kept as it is
     assert s.budgets[DISK].used == chunks[2].nbytes
     chunks[2].pins = 1
     s.reset()

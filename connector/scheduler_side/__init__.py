@@ -30,6 +30,7 @@ from kvreel.connector.tiers.disk import scan_chunk_files
 from kvreel.scheduler.workflow import WorkflowTracker
 
 logger = logging.getLogger(__name__)
+WRITE_FAILURES = {DISK: "disk_write_failures", Tier.REMOTE: "remote_upload_failures"}   # counter per tier
 __all__ = ["Chunk", "KVReelScheduler"]
 
 
@@ -174,18 +175,20 @@ class KVReelScheduler:
             self.loads.recomputed(self.reqs, set(output.failed_recving or ()), set(output.invalid_block_ids or ()))
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVReelWorkerMeta):
-            if meta.disk_disabled and DISK in self.store.budgets:
-                logger.error("kvreel: disk tier disabled by a worker: %s", meta.disk_disabled)
-                self.store.disable_disk()
-            if meta.disk_recovered and self.cfg.disk_dir and DISK not in self.store.budgets:
-                self.store.enable_disk(self.cfg.disk_bytes)
+            for tier, why in meta.tiers_off.items():
+                if tier in self.store.budgets:
+                    logger.error("kvreel: %s tier off on a worker: %s", tier.value, why)
+                    self.store.turn_off(tier)
+            if DISK in meta.tiers_back and self.cfg.disk_dir and DISK not in self.store.budgets:
+                self.store.turn_on(DISK, self.cfg.disk_bytes)
                 self._adopt_disk_chunks()
                 logger.warning("kvreel: disk tier back on (%d chunk files adopted)", len(self.store.budgets[DISK].lru))
-            for key in meta.failed_disk_keys:
-                self.stats.add("disk_write_failures")
-                entry = self.store.index.get(key)
-                if entry and DISK in self.store.budgets and DISK in entry[0].tiers:
-                    self.store.drop_copy(entry[0], DISK)
+            for tier, keys in meta.failed_writes.items():
+                self.stats.add(WRITE_FAILURES[tier], len(keys))
+                for key in keys if tier in self.store.budgets else ():
+                    entry = self.store.index.get(key)
+                    if entry and tier in entry[0].tiers:
+                        self.store.drop_copy(entry[0], tier)
             for key in meta.bad_keys:
                 self.store.drop(key)
             if self.prefetch is not None:

@@ -169,19 +169,19 @@ class ChunkStore:
         for tier in list(chunk.tiers):
             self.evict(chunk, tier)
 
-    def disable_disk(self) -> None:
-        """The disk tier is gone (a worker could not write it): its copies with it."""
-        disk = self.budgets.get(DISK)
-        if disk is None:
+    def turn_off(self, tier: Tier) -> None:
+        """A tier is gone (a worker could not write it): its copies with it."""
+        budget = self.budgets.get(tier)
+        if budget is None or tier == HOST:
             return
-        for chunk in list(disk.lru.values()):
-            self.drop_copy(chunk, DISK)              # the copies are gone: no deletes to send
-        del self.budgets[DISK]
+        for chunk in list(budget.lru.values()):
+            self.drop_copy(chunk, tier)              # the copies are gone: no deletes to send
+        del self.budgets[tier]
 
-    def enable_disk(self, capacity: int) -> None:
-        """The disk tier takes writes again: an empty budget (its files are adopted anew)."""
-        if DISK not in self.budgets:
-            self.budgets[DISK] = TierBudget(DISK, capacity, self.host.steps)
+    def turn_on(self, tier: Tier, capacity: int) -> None:
+        """A tier takes writes again: an empty budget (the disk's files are adopted anew)."""
+        if tier not in self.budgets:
+            self.budgets[tier] = TierBudget(tier, capacity, self.host.steps)
 
     def reset(self) -> None:
         """Forget every unpinned chunk in every tier."""

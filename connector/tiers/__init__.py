@@ -1,9 +1,10 @@
 """The storage tiers a chunk can live in, below vLLM's own paged cache.
 
 Every tier stores whole chunks (a payload ``[regions, blocks, block_bytes]``
-of paged KV, keyed by the hash of the chunk's last block) behind the same small
+of paged KV, keyed by the hash of the chunk's last block) behind the same
 interface, ``ChunkTier``; the scheduler side decides what goes where, the
-worker side calls the tiers.
+worker side drives every tier through that interface alone, so a new tier (an
+object store, a peer engine) is one file.
 
     host    memory of the worker process (pinned on CUDA)      tiers.host
     disk    one self-checking file per chunk, survives restarts  tiers.disk
@@ -12,8 +13,10 @@ worker side calls the tiers.
 
 from __future__ import annotations
 
+import queue
+import time
+from abc import ABC, abstractmethod
 from enum import StrEnum
-from typing import Protocol
 
 import torch
 
@@ -24,17 +27,50 @@ class Tier(StrEnum):
     REMOTE = "remote"
 
 
-class ChunkTier(Protocol):
+class ChunkTier(ABC):
+    """A tier as the worker drives it. Tiers that write behind (disk, remote)
+    override the reporting methods; the defaults suit one that writes at once."""
+
     kind: Tier
 
+    @abstractmethod
     def put(self, key: bytes, block_hashes: list[bytes], payload: torch.Tensor) -> bool:
         """Store a chunk (the disk and remote tiers write behind, never blocking);
-        False when the tier refused it."""
+        False when the tier refused it (then it is also a failed write)."""
 
+    @abstractmethod
     def get(self, key: bytes) -> torch.Tensor:
         """The verified payload; ``ChunkUnavailable`` when it cannot be read,
         ``ChunkError`` when it is damaged."""
 
+    @abstractmethod
     def delete(self, key: bytes) -> None: ...
 
-    def close(self) -> None: ...
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait (at most ``timeout_s``) until the writes behind are done; False if some are not."""
+        return True
+
+    def take_failed_writes(self) -> set[bytes]:
+        """Chunks whose write did not land since the last call."""
+        return set()
+
+    def take_changes(self) -> tuple[str | None, bool]:
+        """(why the tier turned off, whether it came back on) since the last call."""
+        return None, False
+
+    def take_encode_seconds(self) -> dict[str, float]:
+        """Time spent encoding stored forms since the last call, per form (for the metrics)."""
+        return {}
+
+    def close(self) -> None:
+        """Finish or drop the writes behind (bounded) and release the tier."""
+
+
+def wait_for_queues(queues: list[queue.Queue], timeout_s: float | None) -> bool:
+    """Wait (at most ``timeout_s``; None: no bound) until every job put on the
+    queues is done; False if some are not."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for jobs in queues:
+        while jobs.unfinished_tasks and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
+    return not any(jobs.unfinished_tasks for jobs in queues)

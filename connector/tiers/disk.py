@@ -20,7 +20,7 @@ import torch
 from kvreel.codec.formats import (ChunkError, ChunkFileHeader, ChunkUnavailable, chunk_dir, chunk_path,
                                   encode_chunk_file, identity_description_path, key_of_path, read_chunk,
                                   read_chunk_header)
-from kvreel.connector.tiers import Tier
+from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ _TIER_BROKEN = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 PROBE_FIRST_S, PROBE_MAX_S = 1.0, 8.0
 
 
-class DiskTier:
+class DiskTier(ChunkTier):
     """Files for one (model identity, rank). Writes run on a background thread
     in submission order, so a delete queued after a write always wins; a write
     that did not land is reported through ``take_failed_writes``.
@@ -87,13 +87,11 @@ class DiskTier:
         self._queue.put(("delete", key, None, None))
 
     def take_failed_writes(self) -> set[bytes]:
-        """Keys whose write did not land since the last call."""
         with self._lock:
             failed, self._failed = self._failed, set()
         return failed
 
     def take_changes(self) -> tuple[str | None, bool]:
-        """(why the tier turned off, whether it came back) since the last call."""
         with self._lock:
             changes = self._went_off, self._came_back
             self._went_off, self._came_back = None, False
@@ -103,8 +101,8 @@ class DiskTier:
         with self._lock:
             self._failed.add(key)
 
-    def flush(self) -> None:
-        self._queue.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return wait_for_queues([self._queue], timeout_s)
 
     def _probe(self) -> None:
         """Raise OSError unless the directory takes a write and has room for the

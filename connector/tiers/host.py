@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from kvreel.codec.formats import ChunkUnavailable
-from kvreel.connector.tiers import Tier
+from kvreel.connector.tiers import ChunkTier, Tier
 
 
-class HostTier:
+class HostTier(ChunkTier):
     kind = Tier.HOST
 
     def __init__(self) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from kvreel.codec.formats import RAW, VIDEO_FORM, ChunkUnavailable, StoreKeys, form_kind
 from kvreel.codec.forms import StoredForms
-from kvreel.connector.tiers import Tier
+from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues
 from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class RemoteLookups:
         self.store.close()
 
 
-class RemoteTier:
+class RemoteTier(ChunkTier):
     """Worker side: write-behind uploads of every configured form; stored bytes
     for the fetch controller; ``get`` for a plain verified raw fetch.
 
@@ -133,7 +133,7 @@ class RemoteTier:
         self._video_forms = [n for n in names if form_kind(n) == VIDEO_FORM]
         self._log = _Throttled()
         self._lock = threading.Lock()                # the uploaders add, the metrics take
-        self._upload_failures = 0
+        self._failed_keys: set[bytes] = set()
         self._encode_seconds: dict[str, float] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._video_queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -148,12 +148,12 @@ class RemoteTier:
             self._queue.put_nowait((key, block_hashes, payload))
             return True
         except queue.Full:
-            self._failed("kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
+            self._failed(key, "kvreel: remote upload queue full; chunk %s not uploaded", key.hex()[:16])
             return False
 
-    def _failed(self, msg, *args) -> None:
+    def _failed(self, key: bytes, msg, *args) -> None:
         with self._lock:
-            self._upload_failures += 1
+            self._failed_keys.add(key)
         self._log.warn(msg, *args)
 
     def _run(self, jobs: queue.Queue, upload) -> None:
@@ -164,7 +164,7 @@ class RemoteTier:
                     return
                 upload(*item)
             except (RemoteError, ValueError) as e:
-                self._failed("kvreel: remote upload failed (%s)", e)
+                self._failed(item[0], "kvreel: remote upload failed (%s)", e)
             finally:
                 jobs.task_done()
 
@@ -190,7 +190,7 @@ class RemoteTier:
             try:
                 self._video_queue.put_nowait((key, hashes, payload, sizes))
             except queue.Full:
-                self._failed("kvreel: video encoding queue full; chunk %s stored without its video forms",
+                self._failed(key, "kvreel: video encoding queue full; chunk %s stored without its video forms",
                              key.hex()[:16])
 
     def _upload_video(self, key: bytes, hashes: list[bytes], payload: torch.Tensor, sizes: dict[str, int]) -> None:
@@ -199,13 +199,9 @@ class RemoteTier:
             sizes[name] = len(data)
             self._put_manifest(key, sizes, payload)      # offered once stored
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait (bounded) until every queued upload, video forms included, is done."""
-        deadline = time.monotonic() + timeout_s
-        for jobs in (self._queue, self._video_queue):
-            while jobs.unfinished_tasks and time.monotonic() < deadline:
-                time.sleep(0.05)
-        return not (self._queue.unfinished_tasks or self._video_queue.unfinished_tasks)
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued upload, video forms included, is done."""
+        return wait_for_queues([self._queue, self._video_queue], timeout_s)
 
     def manifests(self, keys: list[bytes]) -> list[dict[str, int]]:
         """Stored forms and sizes of each chunk (one round trip); a chunk whose
@@ -255,16 +251,16 @@ class RemoteTier:
             self.drop_form(key, form)
 
     def take_encode_seconds(self) -> dict[str, float]:
-        """Encode time per form since the last call (for the metrics)."""
         with self._lock:
             taken, self._encode_seconds = self._encode_seconds, {}
         return taken
 
-    def take_upload_failures(self) -> int:
-        """Uploads failed or dropped since the last call (for the metrics)."""
+    def take_failed_writes(self) -> set[bytes]:
+        """Chunks whose upload failed or was dropped (a full queue), the video
+        forms' included, since the last call."""
         with self._lock:
-            n, self._upload_failures = self._upload_failures, 0
-        return n
+            taken, self._failed_keys = self._failed_keys, set()
+        return taken
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
         """Drain pending uploads (bounded; vLLM may end the process sooner), then stop."""

@@ -1,0 +1,103 @@
+"""The connector's worker side without an engine: real paged-cache tensors on
+the CPU, a fake tier beside the real host tier, driven the way vLLM's model
+runner drives the connector each step."""
+
+from types import SimpleNamespace
+
+import torch
+
+from kvreel.codec.formats import ChunkError, ChunkUnavailable
+from kvreel.connector.config import KVReelConfig
+from kvreel.connector.metadata import KVReelMetadata, LoadOp, LoadPiece, StoreOp
+from kvreel.connector.tiers import ChunkTier, Tier
+from kvreel.connector.worker_side import KVReelWorker
+
+LAYERS, BLOCKS, PAGE = 3, 32, 256
+KEY = b"\x07" * 32
+
+
+class FakeDisk(ChunkTier):
+    """A disk tier in memory whose writes and state the test decides."""
+
+    kind = Tier.DISK
+
+    def __init__(self):
+        self.chunks, self.deleted = {}, []
+        self.failed, self.changes, self.damaged = set(), (None, False), set()
+
+    def put(self, key, block_hashes, payload):
+        self.chunks[key] = payload.clone()
+        return True
+
+    def get(self, key):
+        if key in self.damaged:
+            raise ChunkError("payload checksum mismatch")
+        if key not in self.chunks:
+            raise ChunkUnavailable("no such chunk")
+        return self.chunks[key]
+
+    def delete(self, key):
+        self.deleted.append(key)
+        self.chunks.pop(key, None)
+
+    def take_failed_writes(self):
+        taken, self.failed = self.failed, set()
+        return taken
+
+    def take_changes(self):
+        taken, self.changes = self.changes, (None, False)
+        return taken
+
+
+def worker_with_fake_disk():
+    cache = torch.randint(0, 255, (LAYERS, BLOCKS, PAGE), dtype=torch.uint8)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    placement = SimpleNamespace(layers=names, layer_stride=BLOCKS * PAGE, block_stride=PAGE, offset=0)
+    cfg = SimpleNamespace(num_blocks=BLOCKS, kv_cache_tensors=[placement],
+                          kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    worker = KVReelWorker(KVReelConfig.load(env={}), "model-x", 0)
+    worker.register_kv_caches({n: cache[i] for i, n in enumerate(names)}, cfg, 512)
+    disk = FakeDisk()
+    worker.add_tier(disk)
+    return worker, cache, disk
+
+
+def test_a_chunk_saved_to_two_tiers_loads_back_into_other_blocks_byte_for_byte():
+    worker, cache, disk = worker_with_fake_disk()
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32, b"b" * 32], ([3, 9],), {Tier.HOST, Tier.DISK})]))
+    assert torch.equal(disk.chunks[KEY], cache[:, [3, 9]])
+    assert torch.equal(worker.tiers[Tier.HOST].get(KEY), cache[:, [3, 9]])
+    saved = cache[:, [3, 9]].clone()
+    worker.start_load_kv(KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 1, ([20],))], False)]))
+    assert torch.equal(cache[:, 20], saved[:, 1]) and worker.take_load_errors() == set()
+    worker.start_load_kv(KVReelMetadata(evictions={Tier.DISK: [KEY]}))
+    assert disk.deleted == [KEY]
+
+
+def test_a_damaged_or_missing_chunk_is_reported_for_recompute_and_never_written():
+    worker, cache, disk = worker_with_fake_disk()
+    disk.put(KEY, [], torch.zeros(LAYERS, 2, PAGE, dtype=torch.uint8))
+    disk.damaged.add(KEY)
+    before = cache.clone()
+    worker.start_load_kv(KVReelMetadata(loads=[
+        LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 0, ([5, 6],)), LoadPiece(b"\x08" * 32, Tier.DISK, 0, ([7],))], False)]))
+    assert worker.take_load_errors() == {5, 6, 7}
+    assert torch.equal(cache, before)
+    meta = worker.take_worker_meta()
+    assert meta.bad_keys == {KEY, b"\x08" * 32}
+
+
+def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
+    worker, cache, disk = worker_with_fake_disk()
+    disk.failed, disk.changes = {KEY}, ("No space left on device", False)
+    meta = worker.take_worker_meta()
+    assert meta.failed_writes == {Tier.DISK: {KEY}} and meta.tiers_off == {Tier.DISK: "No space left on device"}
+    assert Tier.DISK not in worker.tiers
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32], ([4],), {Tier.HOST, Tier.DISK})]))
+    assert KEY not in disk.chunks                              # off: nothing written to it
+    worker.start_load_kv(KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 0, ([8],))], False)]))
+    assert worker.take_load_errors() == {8}
+    disk.changes = (None, True)
+    meta = worker.take_worker_meta()
+    assert meta.tiers_back == {Tier.DISK} and worker.tiers[Tier.DISK] is disk
+    assert worker.take_worker_meta() is None                   # nothing new to say
