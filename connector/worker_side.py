@@ -112,7 +112,7 @@ class KVReelWorker:
             source = self.tiers.get(tier)
             if source is None:
                 raise ChunkUnavailable(f"the {tier.value} tier is disabled")
-            data = source.get(key)
+            data = self._fetch_whole(key) if tier == Tier.REMOTE else source.get(key)
         except ChunkError as e:
             self.reports.prefetch_failed(key, tier, e)
             logger.warning("kvreel: prefetch of %s chunk %s failed (%s)", tier.value, key.hex()[:16], e)
@@ -123,6 +123,13 @@ class KVReelWorker:
             return
         self.tiers[Tier.HOST].put(key, [], data)
         self.reports.prefetched(key)
+
+    def _fetch_whole(self, key: bytes) -> torch.Tensor:
+        """A remote chunk's verified payload, through the fetch controller like
+        every remote read (its form choice, streams and fairness)."""
+        sink = _WholeChunk(self.reports)
+        self.fetcher.fetch(f"prefetch-{key.hex()[:16]}", [key], sink)
+        return sink.payload()
 
     def _load(self, op: LoadOp) -> None:
         assert self.pages is not None
@@ -251,13 +258,35 @@ class _RemoteRestore:
 
     def done(self, result) -> None:
         w, piece = self.worker, self.pieces[result.index]
-        for name, value in (("remote_fetches", 1), ("remote_fetch_bytes", result.wire_bytes),
-                            ("remote_transfer_seconds", result.transmit_s), ("decode_seconds", result.decode_s)):
-            w.reports.count(name, value, result.form)
         try:
-            if result.error is not None:
-                raise result.error if isinstance(result.error, ChunkError) else ChunkUnavailable(str(result.error))
+            _checked(w.reports, result)
             w._check_fits(result.payload, piece)      # every region arrived through part()
             w._restored(piece, result.payload, self.t0)
         except ChunkError as e:
             w.reports.failed(self.req_id, piece, e)
+
+
+def _checked(reports: WorkerReports, result) -> None:
+    """Count a fetched chunk; raise its error as a ChunkError."""
+    for name, value in (("remote_fetches", 1), ("remote_fetch_bytes", result.wire_bytes),
+                        ("remote_transfer_seconds", result.transmit_s), ("decode_seconds", result.decode_s)):
+        reports.count(name, value, result.form)
+    if result.error is not None:
+        raise result.error if isinstance(result.error, ChunkError) else ChunkUnavailable(str(result.error))
+
+
+class _WholeChunk:
+    """A fetch sink for one whole chunk (a prefetch into the host tier)."""
+
+    def __init__(self, reports: WorkerReports):
+        self.reports, self.result = reports, None
+
+    def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
+        pass
+
+    def done(self, result) -> None:
+        self.result = result
+
+    def payload(self) -> torch.Tensor:
+        _checked(self.reports, self.result)
+        return self.result.payload

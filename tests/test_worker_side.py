@@ -49,13 +49,14 @@ class FakeDisk(ChunkTier):
         return taken
 
 
-def worker_with_fake_disk():
+def worker_with_fake_disk(env=None):
     cache = torch.randint(0, 255, (LAYERS, BLOCKS, PAGE), dtype=torch.uint8)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     placement = SimpleNamespace(layers=names, layer_stride=BLOCKS * PAGE, block_stride=PAGE, offset=0)
+    spec = SimpleNamespace(block_size=16)
     cfg = SimpleNamespace(num_blocks=BLOCKS, kv_cache_tensors=[placement],
-                          kv_cache_groups=[SimpleNamespace(layer_names=names)])
-    worker = KVReelWorker(KVReelConfig.load(env={}), "model-x", 0)
+                          kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec)])
+    worker = KVReelWorker(KVReelConfig.load(env=env or {}), "model-x", 0)
     worker.register_kv_caches({n: cache[i] for i, n in enumerate(names)}, cfg, 512)
     disk = FakeDisk()
     worker.add_tier(disk)
@@ -101,3 +102,19 @@ def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
     meta = worker.take_worker_meta()
     assert meta.tiers_back == {Tier.DISK} and worker.tiers[Tier.DISK] is disk
     assert worker.take_worker_meta() is None                   # nothing new to say
+
+
+def test_a_remote_prefetch_goes_through_the_fetch_controller_into_host_memory(tmp_path):
+    worker, cache, _ = worker_with_fake_disk({"KVREEL_REMOTE_URL": f"file://{tmp_path}"})
+    try:
+        worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32, b"b" * 32], ([2, 5],), {Tier.REMOTE})]))
+        assert worker.tiers[Tier.REMOTE].flush(60)
+        worker.start_load_kv(KVReelMetadata(prefetches=[(KEY, Tier.REMOTE), (b"\x09" * 32, Tier.REMOTE)]))
+        worker._prefetcher.submit(lambda: None).result(timeout=60)          # the prefetches before it are done
+        assert torch.equal(worker.tiers[Tier.HOST].get(KEY), cache[:, [2, 5]])
+        meta = worker.take_worker_meta()
+        assert meta.prefetched == {KEY: 1} and meta.prefetch_failed == {b"\x09" * 32}
+        fetches = {k: v for k, v in worker.take_stats().data.items() if k.startswith("remote_fetches|")}
+        assert sum(fetches.values()) == 2                    # both tried (in whichever form), counted as loads are
+    finally:
+        worker.shutdown()
