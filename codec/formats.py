@@ -187,14 +187,16 @@ def form_resolution(name: str) -> int | None:
 class StoreKeys:
     """Keys of one model/layout identity in a shared store. The identity comes
     first, so two models never mix; a quantized video form has keys of its own,
-    so an exact reader never finds it."""
+    so an exact reader never finds it. A chunk's forms and manifest carry its
+    key as a Redis Cluster hash tag (``{...}``): they live on one node, in one
+    slot. Block pointers are found by block hash alone, so each has its own."""
 
     def __init__(self, identity: str):
         self.identity = identity
 
     def chunk(self, key: bytes) -> str:
         """The raw form of a chunk."""
-        return f"kvreel/{self.identity}/c/{key.hex()}"
+        return f"kvreel/{self.identity}/c/{{{key.hex()}}}"
 
     def block(self, block_hash: bytes) -> str:
         """A block pointer: which chunk and row hold this block."""
@@ -202,13 +204,13 @@ class StoreKeys:
 
     def manifest(self, key: bytes) -> str:
         """The stored forms of a chunk and their sizes."""
-        return f"kvreel/{self.identity}/m/{key.hex()}"
+        return f"kvreel/{self.identity}/m/{{{key.hex()}}}"
 
     def form(self, name: str, key: bytes, quant: str = "none") -> str:
         if name == RAW:
             return self.chunk(key)
         suffix = f"-{quant}" if form_kind(name) == VIDEO_FORM and quant != "none" else ""
-        return f"kvreel/{self.identity}/{name.replace('@', '')}{suffix}/{key.hex()}"
+        return f"kvreel/{self.identity}/{name.replace('@', '')}{suffix}/{{{key.hex()}}}"
 
 
 def lmcache_object_key(key_string: str, integration: str) -> str:

@@ -78,8 +78,11 @@ def _path_or_none(text: str) -> str | None:
 def _remote_url(text: str) -> str | None:
     if not text:
         return None
-    if not text.startswith(("redis://", "rediss://", "file://")):
+    if not text.startswith(("redis://", "rediss://", "redis-cluster://", "file://")):
         raise ValueError(text)
+    if text.startswith("redis-cluster://"):
+        from kvreel.connector.tiers.store import parse_cluster_url
+        parse_cluster_url(text)
     return text
 
 
@@ -127,8 +130,9 @@ SETTINGS: tuple[Setting, ...] = (
                  "tokens (a multiple of the engine's block size).", 16, 1 << 20),
     _int_setting("DISK_WRITE_QUEUE", 64, "Chunks waiting for the background disk writer before new writes "
                  "are dropped (never blocking the forward pass).", 1, 1 << 16),
-    Setting("REMOTE_URL", _remote_url, None, "redis://[:password@]host:port/db or file:///path (unset: no "
-            "remote tier)", "Shared remote tier; every engine of the same model reuses what any of them stored."),
+    Setting("REMOTE_URL", _remote_url, None, "redis://[:password@]host:port/db, "
+            "redis-cluster://[:password@]host:port[,host:port...] (any nodes of a Redis Cluster) or file:///path "
+            "(unset: no remote tier)", "Shared remote tier; every engine of the same model reuses what any of them stored."),
     Setting("REMOTE_TIMEOUT_S", float, 2.0, "a number of seconds in (0, 60]",
             "Connect/read timeout of remote-store calls; a dead store costs at most this, then recompute.",
             lambda v: 0 < v <= 60),
@@ -237,7 +241,7 @@ class _Loading:
 
     def _check_combination(self) -> None:
         needs = []   # (setting shown, module, pip package): a feature whose package is missing stops start-up here
-        if self.remote_url and self.remote_url.startswith(("redis://", "rediss://")):
+        if self.remote_url and self.remote_url.startswith(("redis://", "rediss://", "redis-cluster://")):
             needs.append((f"{PREFIX}REMOTE_URL=redis://...", "redis", "redis"))
         if VIDEO_FORM in self.remote_forms:
             needs.append((f"{PREFIX}REMOTE_FORMS={','.join(self.remote_forms)}", "av", "av"))

@@ -58,8 +58,10 @@ def cmd_doctor(args) -> int:
             try:
                 store = open_store(cfg.remote_url, timeout_s=cfg.remote_timeout_s)
                 store.exists(["kvreel/doctor/probe"])
+                nodes = store.nodes() if hasattr(store, "nodes") else []
                 store.close()
-                rows.append(("remote tier", f"{redact_url(cfg.remote_url)} reachable"))
+                rows.append(("remote tier", f"{redact_url(cfg.remote_url)} reachable"
+                             + (f"; cluster nodes: {', '.join(nodes)}" if nodes else "")))
             except (RemoteError, ValueError) as e:
                 rows.append(("remote tier", f"UNREACHABLE: {e}"))
                 status = 1

@@ -168,6 +168,8 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
             transfer.kv_load_failure_policy = "recompute"
         fields = identity_fields(vllm_config, kv_cache_config)
         self.identity = model_identity(fields)
+        self.kv_cache_config = kv_cache_config
+        self.max_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -182,8 +184,7 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches):
-        self._worker.register_kv_caches(kv_caches, self._kv_cache_config,
-                                        self._vllm_config.scheduler_config.max_num_batched_tokens)
+        self._worker.register_kv_caches(kv_caches, self.kv_cache_config, self.max_batched_tokens)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

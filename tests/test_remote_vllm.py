@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import redis.cluster
 
 from conftest import run_scenario, tokens
 
@@ -22,22 +23,40 @@ def _cfg(port):
     return {"cpu_bytes": "0", "remote_url": f"redis://:s3cret@127.0.0.1:{port}/0", "remote_timeout_s": 1.0}
 
 
-@pytest.mark.parametrize("store", ["redis", "file"])
+@pytest.mark.parametrize("store", ["redis", "redis-cluster", "file"])
 def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_path, store):
+    """On a Redis Cluster a master is then killed: until its replica takes over,
+    the chunks it held are recomputed; every output stays exact."""
+    phases = [{"prompts": [P]}, {"before": "restart", "prompts": [P, OTHER]}]
     if store == "redis":
         _, port = request.getfixturevalue("redis_server")
         cfg = _cfg(port)
+    elif store == "redis-cluster":
+        nodes = request.getfixturevalue("redis_cluster")
+        cfg = {**_cfg(0), "remote_url": "redis-cluster://:s3cret@" + ",".join(f"127.0.0.1:{p}" for p in nodes)}
+        seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(nodes)), password="s3cret").cluster_nodes()
+        master = next(int(a.split("@")[0].rsplit(":", 1)[1]) for a, info in seen.items() if "master" in info["flags"])
+        other = next(p for p in nodes if p != master)
+        cli = f"redis-cli -a s3cret --no-auth-warning -p {other} cluster"
+        promoted = (f"shell:for i in $(seq 300); do {cli} nodes | grep -q master,fail && {cli} info | "
+                    "grep -q cluster_state:ok && break; sleep 0.1; done")      # the replica took over
+        phases += [{"before": ["reset_prefix_cache", f"shell:kill -9 {nodes[master].pid}"], "prompts": [P]},
+                   {"before": [promoted, "reset_prefix_cache"], "prompts": [P]}]
     else:       # a shared filesystem
         cfg = {**_cfg(0), "remote_url": f"file://{tmp_path / 'shared'}"}
     base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
-    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
-        {"prompts": [P]}, {"before": "restart", "prompts": [P, OTHER]}]})
+    reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": phases})
     assert reel["phases"][0][0] == base["phases"][0][0]
     again = reel["phases"][1][0]
     assert again["token_ids"] == base["phases"][1][0]["token_ids"]
     assert again["logprobs"] == base["phases"][1][0]["logprobs"]
     assert again["num_cached_tokens"] == 576
-    assert reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"] == 18
+    for later in reel["phases"][2:]:           # recomputed (a cold prefill) or reused (a prefix hit), exactly
+        assert later[0]["logprobs"] in (base["phases"][0][0]["logprobs"], base["phases"][1][0]["logprobs"])
+    if store == "redis-cluster":
+        assert reel["phases"][3][0]["num_cached_tokens"] == 576              # the replica serves them again
+    hits = reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"]
+    assert hits >= 36 if store == "redis-cluster" else hits == 18
 
 
 def test_dead_store_falls_back_to_recompute(tiny_model, redis_server):

@@ -2,6 +2,10 @@
 
 * ``redis://[:password@]host:port/db`` — a real Redis (redis-py), with connect
   and read timeouts so a dead or slow store costs a bounded wait, never a hang.
+* ``redis-cluster://[:password@]host:port[,host:port...]`` — a Redis Cluster
+  (or Valkey's), any nodes as seeds, through redis-py's cluster client: it
+  follows MOVED/ASK during resharding and finds a promoted replica; pipelines
+  and multi-key reads are split per node.
 * ``file:///path`` — a shared filesystem; keys map to files strictly inside the
   root (no path traversal), written atomically.
 
@@ -15,11 +19,12 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
-KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._/-]{0,255}$")
+KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._/{}-]{0,255}$")
 
 
 class RemoteError(Exception):
@@ -96,7 +101,10 @@ class RedisStore:
         """Small values only (block pointers): one MGET round trip."""
         if not keys:
             return []
-        return self._call(self._client.mget, [_check_key(k) for k in keys])
+        return self._call(self._mget, [_check_key(k) for k in keys])
+
+    def _mget(self, keys: list[str]) -> list[bytes | None]:
+        return self._client.mget(keys)
 
     def put_many(self, items: dict[str, bytes]) -> None:
         for k, v in items.items():
@@ -111,6 +119,71 @@ class RedisStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class RedisClusterStore(RedisStore):
+    """A Redis Cluster: the same operations, with redis-py's cluster client."""
+
+    def __init__(self, url: str, *, timeout_s: float, max_value_bytes: int):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+        self.url = url
+        self.max_value_bytes = max_value_bytes
+        password, nodes = parse_cluster_url(url)
+        try:
+            self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], password=password,
+                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                        require_full_coverage=False, retry=Retry(NoBackoff(), 1))
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise RemoteError(f"redis cluster {redact_url(url)}: {type(e).__name__}: {e}") from None
+        # every redis-py error is the store's failing (a node down, a slot moving, no coverage)
+        self._errors = (redis.exceptions.RedisError, OSError)
+        # a node gone or a slot without a master: the client refreshes its view of the
+        # cluster on each; tried again until the timeout (a promoted replica takes over)
+        self._passing = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                         redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError)
+        self._timeout_s = timeout_s
+
+    def _call(self, fn, *args):
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                return fn(*args)
+            except self._passing as e:
+                if time.monotonic() >= deadline:
+                    raise RemoteError(f"redis cluster {redact_url(self.url)}: {type(e).__name__}: {e}") from None
+                time.sleep(0.1)
+            except self._errors as e:
+                raise RemoteError(f"redis cluster {redact_url(self.url)}: {type(e).__name__}: {e}") from None
+
+    def _mget(self, keys: list[str]) -> list[bytes | None]:
+        return self._client.mget_nonatomic(keys)          # one MGET per slot, pipelined per node
+
+    def nodes(self) -> list[str]:
+        """``host:port flags`` of every node, as the cluster sees them (CLUSTER NODES:
+        master/slave, fail?, fail; for kvreel doctor)."""
+        seen = self._call(self._client.cluster_nodes)
+        return sorted(f"{addr.split('@')[0]} {info['flags'].replace('myself,', '')}" for addr, info in seen.items())
+
+
+def parse_cluster_url(url: str) -> tuple[str | None, list[tuple[str, int]]]:
+    """``redis-cluster://[:password@]host:port[,host:port...]`` -> (password, seed nodes)."""
+    rest = url.removeprefix("redis-cluster://")
+    password = None
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        password = unquote(auth.partition(":")[2]) or None
+    nodes = []
+    for part in filter(None, rest.rstrip("/").split(",")):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis-cluster URL node {part!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError("a redis-cluster URL names at least one host:port")
+    return password, nodes
 
 
 class FileStore:
@@ -187,6 +260,9 @@ def _limit(size: int, limit: int, key: str) -> None:
 
 def redact_url(url: str) -> str:
     """The URL without its password, for log lines."""
+    if url.startswith("redis-cluster://") and "@" in url:
+        auth, rest = url.removeprefix("redis-cluster://").rsplit("@", 1)
+        return f"redis-cluster://{auth.partition(':')[0]}:***@{rest}" if ":" in auth else url
     p = urlparse(url)
     return url.replace(p.password, "***") if p.password else url
 
@@ -195,6 +271,9 @@ def open_store(url: str, *, timeout_s: float = 2.0, max_value_bytes: int = 256 <
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss"):
         return RedisStore(url, timeout_s=timeout_s, max_value_bytes=max_value_bytes)
+    if scheme == "redis-cluster":
+        return RedisClusterStore(url, timeout_s=timeout_s, max_value_bytes=max_value_bytes)
     if scheme == "file":
         return FileStore(url, max_value_bytes=max_value_bytes)
-    raise ValueError(f"remote store URL must start with redis://, rediss:// or file://, got {redact_url(url)!r}")
+    raise ValueError(f"remote store URL must start with redis://, rediss://, redis-cluster:// or file://, "
+                     f"got {redact_url(url)!r}")
