@@ -173,7 +173,7 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
             ax = axes[i][j]
             key = f"{t}@{n}"
             ax.axhline(full[key], color="black", lw=1, label="full attention")
-            ax.axhline(full[key] - 1, color="grey", lw=0.8, ls="--", label="goal: full - 1")
+            ax.axhline(full[key] - cases / 16, color="grey", lw=0.8, ls="--", label="goal: full - 1 case in 16")
             for group, members in groups.items():
                 pts = sorted((share, results[label]["right"][key]) for share, label in members)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=group)
