@@ -4,16 +4,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # Test tools from Debian (as root): the remote-store tests use a real Redis on
-# loopback; the deploy test builds the images on a base made with mmdebstrap and
-# runs the compose stack (Docker engine and docker-compose).
+# loopback (and redis-cli to make a cluster of them); the deploy test builds the images on a base made with
+# mmdebstrap and runs the compose stack (Docker engine and docker-compose); README's recipe test uses curl.
 need=()
-for tool in redis-server:redis-server dockerd:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap; do
+for tool in redis-server:redis-server redis-cli:redis-tools dockerd:docker.io docker-compose:docker-compose \
+            mmdebstrap:mmdebstrap curl:curl; do
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 if ((${#need[@]})) && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
   echo "setup: installing Debian packages system-wide, as root: ${need[*]}"
-  echo "       (for the tests: redis-server is the remote store they start on loopback; docker.io, docker-compose"
-  echo "       and mmdebstrap build and run deploy/'s images; kvreel itself needs none of them)"
+  echo "       (for the tests: redis-server / redis-tools are the remote store they start on loopback; docker.io,"
+  echo "       docker-compose and mmdebstrap build and run deploy/'s images; curl runs README's recipe;"
+  echo "       kvreel itself needs none of them)"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null) \
     || echo "could not install ${need[*]}"
 elif ((${#need[@]})); then
