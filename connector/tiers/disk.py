@@ -112,9 +112,9 @@ class DiskTier(ChunkTier):
         probe = self.dir / ".kvreel-write-test"
         probe.write_bytes(b"ok")
         probe.unlink()
-        if shutil.disk_usage(self.dir).free < 2 * self._needed:
-            raise OSError(errno.ENOSPC, f"{shutil.disk_usage(self.dir).free} bytes free, "
-                                        f"a chunk needs {self._needed}")
+        free = shutil.disk_usage(self.dir).free
+        if free < 2 * self._needed:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, a chunk needs {self._needed}")
         if self._description is not None:
             write_description(self.root, self.identity, self._description)
 
