@@ -93,8 +93,8 @@ class KVReelScheduler:
                 continue
             found.append((path.stat().st_mtime, key, header))
         for _, key, header in sorted(found):
-            held = self.store.index.get(key, (None,))[0]
-            if held is not None and held.key == key:        # in host memory still (the disk came back)
+            held = self.store.by_key(key)
+            if held is not None:                            # in host memory still (the disk came back)
                 if DISK not in held.tiers:
                     self.store.admit(held, DISK)
                 continue

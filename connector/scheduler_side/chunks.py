@@ -160,12 +160,16 @@ class ChunkStore:
                 if self.index.get(h, (None,))[0] is chunk:
                     del self.index[h]
 
+    def by_key(self, key: bytes) -> Chunk | None:
+        """The indexed chunk whose key this is (a chunk's key is its last block's hash)."""
+        entry = self.index.get(key)
+        return entry[0] if entry is not None and entry[0].key == key else None
+
     def drop(self, key: bytes) -> None:
         """Forget a chunk everywhere (it failed verification)."""
-        entry = self.index.get(key)
-        if entry is None or entry[0].key != key:
+        chunk = self.by_key(key)
+        if chunk is None:
             return
-        chunk = entry[0]
         for tier in list(chunk.tiers):
             self.evict(chunk, tier)
 
