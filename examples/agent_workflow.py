@@ -29,6 +29,20 @@ from pathlib import Path
 AGENTS = ("planner", "coder", "critic", "tester")
 
 
+def kvreel_counters(base_url: str, by_label: dict[str, str]) -> dict[str, float]:
+    """The server's /metrics counters named in ``by_label``, summed over engines per
+    value of the label given: "name|value" -> count (the prefix vllm:kvreel_ left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=30).read().decode()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in by_label:
+                key = f"{sample.name.removeprefix('vllm:kvreel_')}|{sample.labels[by_label[sample.name]]}"
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
 def agent_prompts(chars: int) -> dict[str, str]:
     """A long fixed prompt per agent: a role line and a different piece of the
     standard library's source as its reference material."""
@@ -112,8 +126,8 @@ def main() -> int:
     try:
         steps = run(base, model, a.rounds, a.prompt_chars, a.max_tokens)
         time.sleep(1.5)                           # connector counters reach /metrics with the next log interval
-        from kvreel.connector.stats import read_counters
-        found = read_counters(base, ("prefetches", "lookup_hit_blocks"))
+        found = kvreel_counters(base, {"vllm:kvreel_prefetch_chunks_total": "result",
+                                        "vllm:kvreel_lookup_hit_blocks_total": "tier"})
     finally:
         if server is not None:
             stop_server(server)
