@@ -112,7 +112,7 @@ def redis_cluster(tmp_path):
              "--cluster-port", str(free_port()),          # the default, port + 10000, may be past 65535
              "--cluster-node-timeout",
              "1000", "--cluster-config-file", str(home / "nodes.conf"), "--dir", str(home), "--save", "",
-             "--appendonly", "no", "--requirepass", "s3cret", "--masterauth", "s3cret"],
+             "--appendonly", "no", "--repl-diskless-sync-delay", "0", "--requirepass", "s3cret", "--masterauth", "s3cret"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for port in nodes:
         deadline = time.time() + 10
@@ -135,6 +135,14 @@ def redis_cluster(tmp_path):
                 capture_output=True, text=True).stdout:
             assert time.time() < deadline, "the cluster did not reach cluster_state:ok"
             time.sleep(0.2)
+        for port in nodes:          # replicas synced: only then can one take over from its master
+            while True:
+                info = subprocess.run([cli, "-a", "s3cret", "--no-auth-warning", "-p", str(port), "info", "replication"],
+                                      capture_output=True, text=True).stdout
+                if "role:master" in info or "master_link_status:up" in info:
+                    break
+                assert time.time() < deadline, f"the replica on port {port} did not sync with its master"
+                time.sleep(0.2)
         yield nodes
     finally:
         for proc in nodes.values():

@@ -36,10 +36,14 @@ def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_p
         cfg = {**_cfg(0), "remote_url": "redis-cluster://:s3cret@" + ",".join(f"127.0.0.1:{p}" for p in nodes)}
         seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(nodes)), password="s3cret").cluster_nodes()
         master = next(int(a.split("@")[0].rsplit(":", 1)[1]) for a, info in seen.items() if "master" in info["flags"])
-        other = next(p for p in nodes if p != master)
-        cli = f"redis-cli -a s3cret --no-auth-warning -p {other} cluster"
-        promoted = (f"shell:for i in $(seq 300); do {cli} nodes | grep -q master,fail && {cli} info | "
-                    "grep -q cluster_state:ok && break; sleep 0.1; done")      # the replica took over
+        # the replica took over once every surviving node sees the killed master hold no slots
+        # (its flags read "fail?" a while before that, and "fail" before the election ends)
+        promoted = ("shell:" + sys.executable + " -c \"import redis, time\n"
+                    f"for _ in range(300):\n"
+                    f"    views = [redis.Redis(port=p, password='s3cret').cluster('nodes') for p in {sorted(set(nodes) - {master})}]\n"
+                    f"    if all(not v['127.0.0.1:{master}']['slots'] and 'fail' in v['127.0.0.1:{master}']['flags'].split(',')"
+                    " for v in views): break\n"
+                    "    time.sleep(0.1)\"")
         phases += [{"before": ["reset_prefix_cache", f"shell:kill -9 {nodes[master].pid}"], "prompts": [P]},
                    {"before": [promoted, "reset_prefix_cache"], "prompts": [P]}]
     else:       # a shared filesystem
