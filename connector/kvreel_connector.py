@@ -133,6 +133,12 @@ def check_kv_cache_groups(kv_cache_config: "KVCacheConfig", cfg: KVReelConfig) -
     return block_size
 
 
+def kv_events_enabled(vllm_config: "VllmConfig") -> bool:
+    """vLLM publishes KV cache events (``--kv-events-config``): kvreel's tiers join them."""
+    events = vllm_config.kv_events_config
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 def _worker_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_world_group
@@ -177,7 +183,8 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
             regions, block_bytes = layout_of(kv_cache_config)
             self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes,
                                               workers=vllm_config.parallel_config.world_size,
-                                              groups=len(kv_cache_config.kv_cache_groups))
+                                              groups=len(kv_cache_config.kv_cache_groups),
+                                              kv_events=kv_events_enabled(vllm_config))
         else:
             from kvreel.connector.worker_side import KVReelWorker
             self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)
@@ -250,6 +257,9 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output):
         self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self):
+        return self._scheduler.take_events()
 
     def request_finished(self, request, block_ids):
         self._scheduler.request_finished(request)

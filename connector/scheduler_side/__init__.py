@@ -6,6 +6,7 @@
 * ``saves``: the blocks each step stores, and where;
 * ``prefetch``: chunks of the agents about to run, read into host memory
   ahead (with ``KVREEL_EVICTION=workflow``);
+* ``events``: chunks entering and leaving tiers as vLLM's KV events;
 * the history plan of long sessions (``kvreel.connector.retrieval.history_plan``).
 
 Each step's saves, loads, deletions, history appends and prefetches go to the
@@ -20,6 +21,7 @@ from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.config import KVReelConfig, format_bytes
 from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta
 from kvreel.connector.scheduler_side.chunks import DISK, HOST, Chunk, ChunkStore
+from kvreel.connector.scheduler_side.events import TierEvents
 from kvreel.connector.scheduler_side.loads import LoadPlanner
 from kvreel.connector.scheduler_side.prefetch import Prefetcher
 from kvreel.connector.scheduler_side.requests import RequestState
@@ -36,7 +38,7 @@ __all__ = ["Chunk", "KVReelScheduler"]
 
 class KVReelScheduler:
     def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int,
-                 workers: int = 1, groups: int = 1):
+                 workers: int = 1, groups: int = 1, kv_events: bool = False):
         if cfg.chunk_tokens % block_size:
             raise ValueError(f"KVREEL_CHUNK_TOKENS={cfg.chunk_tokens} must be a multiple of the engine's "
                              f"block size ({block_size})")
@@ -45,7 +47,8 @@ class KVReelScheduler:
         self.reqs: dict[str, RequestState] = {}
         self.workflows = WorkflowTracker() if cfg.eviction == "workflow" else None
         self.prefetch: Prefetcher | None = None
-        self.store = ChunkStore(cfg, self.stats, self._steps if self.workflows is not None else None)
+        self.store = ChunkStore(cfg, self.stats, self._steps if self.workflows is not None else None,
+                                TierEvents(block_size) if kv_events else None)
         self.remote = None
         if cfg.remote_url:
             from kvreel.connector.tiers.remote import RemoteLookups
@@ -185,6 +188,10 @@ class KVReelScheduler:
                 logger.warning("kvreel: disk tier back on (%d chunk files adopted)", len(self.store.budgets[DISK].lru))
             for tier, keys in meta.failed_writes.items():
                 self.stats.add(WRITE_FAILURES[tier], len(keys))
+                if tier == Tier.REMOTE and self.store.events is not None:
+                    for key in keys:     # announced when planned; a chunk no longer indexed by its last block
+                        chunk = self.store.by_key(key)
+                        self.store.events.removed(chunk.block_hashes if chunk else [key], tier)
                 for key in keys if tier in self.store.budgets else ():
                     entry = self.store.index.get(key)
                     if entry and tier in entry[0].tiers:
@@ -214,6 +221,10 @@ class KVReelScheduler:
         """Forget every unpinned chunk in every tier (``reset_prefix_cache(reset_connector=True)``)."""
         self.store.reset()
         return True
+
+    def take_events(self) -> list:
+        """KV events of chunks that entered or left a tier since the last call."""
+        return self.store.events.take() if self.store.events is not None else []
 
     def take_stats(self) -> KVReelStats | None:
         return self.stats.take()

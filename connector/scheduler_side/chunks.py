@@ -14,11 +14,13 @@ whose agents run furthest in the future first, LRU among equals."""
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Callable
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import StoreOp
+from kvreel.connector.scheduler_side.events import TierEvents
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
 
@@ -27,12 +29,14 @@ MAX_USERS = 64          # (workflow, agent) pairs remembered per chunk
 
 
 class Chunk:
-    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins", "users", "prefetched")
+    __slots__ = ("key", "block_hashes", "nbytes", "tiers", "pins", "users", "prefetched", "parent", "token_ids")
 
     def __init__(self, key: bytes, block_hashes: list[bytes], nbytes: int):
         self.key = key
         self.block_hashes = block_hashes
         self.nbytes = nbytes
+        self.parent: bytes | None = None          # the hash of the block before it, for KV events
+        self.token_ids: array | None = None       # its tokens, kept only while KV events are on
         self.tiers: set[Tier] = set()     # the local tiers (host, disk) holding it
         self.pins = 0
         self.users: set[tuple[str, str]] = set()   # (workflow, agent) pairs that used it
@@ -95,10 +99,12 @@ class TierBudget:
 class ChunkStore:
     """The index and the local tiers' budgets, and what this step changes in
     them for the workers: chunks to store (``stores``) and to delete
-    (``evictions``)."""
+    (``evictions``); with ``events``, every copy gained or lost is a KV event."""
 
-    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, steps: Callable[[Chunk], float] | None = None):
+    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, steps: Callable[[Chunk], float] | None = None,
+                 events: TierEvents | None = None):
         self.stats = stats
+        self.events = events
         self.index: dict[bytes, tuple[Chunk, int]] = {}
         self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, steps)}
         if cfg.disk_dir:
@@ -136,8 +142,15 @@ class ChunkStore:
             self.evict(victim, tier)
         budget.add(chunk)
         if present:
-            chunk.tiers.add(tier)
+            self.hold(chunk, tier)
         return True
+
+    def hold(self, chunk: Chunk, tier: Tier) -> None:
+        """``chunk`` is in ``tier`` now (written, or a promotion landed)."""
+        if tier not in chunk.tiers:
+            chunk.tiers.add(tier)
+            if self.events is not None:
+                self.events.stored(chunk, tier)
 
     def evict(self, chunk: Chunk, tier: Tier) -> None:
         self.drop_copy(chunk, tier)
@@ -151,7 +164,10 @@ class ChunkStore:
     def drop_copy(self, chunk: Chunk, tier: Tier) -> None:
         """Account a copy gone from a tier; a chunk in no local tier is forgotten."""
         self.budgets[tier].remove(chunk)
-        chunk.tiers.discard(tier)
+        if tier in chunk.tiers:
+            chunk.tiers.discard(tier)
+            if self.events is not None:
+                self.events.removed(chunk.block_hashes, tier)
         if tier == HOST and chunk.prefetched:
             chunk.prefetched = False
             self.stats.add("prefetches", label="wasted")

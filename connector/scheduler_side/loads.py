@@ -209,7 +209,7 @@ class LoadPlanner:
             chunk.pins -= 1
         for chunk in self._promotions.pop(req_id, ()):
             if chunk.key in self.store.host.lru and self.store.indexed(chunk):
-                chunk.tiers.add(HOST)
+                self.store.hold(chunk, HOST)
 
     @staticmethod
     def recomputed(reqs: dict[str, RequestState], failed_requests: set[str], invalid_blocks: set[int]) -> None:

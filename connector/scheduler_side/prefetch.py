@@ -94,7 +94,7 @@ class Prefetcher:
         self._bytes -= chunk.nbytes
         store = self.store
         if ok and (store.indexed(chunk) or not any(h in store.index for h in chunk.block_hashes)):
-            chunk.tiers.add(HOST)
+            store.hold(chunk, HOST)
             chunk.prefetched = True
             store.add(chunk)                         # a chunk fetched back from the remote store
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import StoreOp
@@ -45,14 +47,17 @@ class SavePlanner:
             while j < min(full, boundary) and hashes[j] not in index and held_by_every_group(st, j):
                 j += 1
             user = st.user if i < prompt_blocks(st.request, self.block_size) else None  # prompts, not answers
-            self._new_chunk(list(hashes[i:j]), tuple(ids[i:j] for ids in st.block_ids), st.from_remote, user)
+            chunk = Chunk(hashes[j - 1], list(hashes[i:j]), (j - i) * self.bytes_per_block)
+            if self.store.events is not None:
+                chunk.parent = hashes[i - 1] if i else None
+                chunk.token_ids = array("i", st.request.all_token_ids[i * self.block_size:j * self.block_size])
+            self._new_chunk(chunk, tuple(ids[i:j] for ids in st.block_ids), st.from_remote, user)
             i = j
         st.saved_upto = max(st.saved_upto, full)
 
-    def _new_chunk(self, block_hashes: list[bytes], block_ids: GroupBlockIds, from_remote: set,
+    def _new_chunk(self, chunk: Chunk, block_ids: GroupBlockIds, from_remote: set,
                    user: tuple[str, str] | None) -> None:
-        store = self.store
-        chunk = Chunk(block_hashes[-1], block_hashes, len(block_hashes) * self.bytes_per_block)
+        store, block_hashes = self.store, chunk.block_hashes
         if user is not None:
             chunk.used_by(user)
         op = StoreOp(chunk.key, block_hashes, block_ids, set())
@@ -63,6 +68,8 @@ class SavePlanner:
             op.tiers.add(DISK)
         if self.remote and not all(h in from_remote for h in block_hashes):
             op.tiers.add(REMOTE)
+            if store.events is not None:
+                store.events.stored(chunk, REMOTE)
         if chunk.tiers:
             store.add(chunk)
         for tier in op.tiers:

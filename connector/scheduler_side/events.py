@@ -1,0 +1,51 @@
+"""kvreel's tiers in vLLM's KV cache events.
+
+A chunk entering or leaving a tier is published as vLLM's own ``BlockStored`` /
+``BlockRemoved`` through vLLM's publisher (on with ``--kv-events-config``, off
+otherwise), so a KV-aware router sees what kvreel can serve and not only what
+vLLM's paged cache holds: a prefix evicted from the engine into kvreel's host
+tier stays routable to this engine.
+
+Tiers are named in vLLM's offloading vocabulary (``vllm.v1.kv_offload``): host
+memory is medium CPU, locality LOCAL; disk STORAGE, LOCAL; the remote store
+STORAGE, REMOTE. The hashes are the chunk's vLLM block hashes, the keys a lookup
+serves from, and an event is recorded exactly when the scheduler's index (what
+lookups read) changes, so an announced block is one a request can load.
+
+Limits: chunks found on disk at start-up carry no token ids (their files hold
+hashes, not tokens); a chunk in the remote store is announced by the engine
+that uploaded it, and its eviction by the store itself is not seen."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from kvreel.connector.tiers import Tier
+from kvreel.connector.vllm_internals import event_block_hash
+
+MEDIUM = {Tier.HOST: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"), Tier.REMOTE: ("STORAGE", "REMOTE")}
+
+
+class TierEvents:
+    """Events recorded since vLLM last took them (``take``, once per step)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._events: list[KVCacheEvent] = []
+
+    def stored(self, chunk, tier: Tier) -> None:
+        medium, locality = MEDIUM[tier]
+        self._events.append(BlockStored(
+            block_hashes=[event_block_hash(h) for h in chunk.block_hashes],
+            parent_block_hash=event_block_hash(chunk.parent) if chunk.parent is not None else None,
+            token_ids=list(chunk.token_ids or ()), block_size=self.block_size, lora_id=None,
+            medium=medium, lora_name=None, locality=locality))
+
+    def removed(self, block_hashes: list[bytes], tier: Tier) -> None:
+        medium, locality = MEDIUM[tier]
+        self._events.append(BlockRemoved(block_hashes=[event_block_hash(h) for h in block_hashes],
+                                         medium=medium, locality=locality))
+
+    def take(self) -> list[KVCacheEvent]:
+        taken, self._events = self._events, []
+        return taken
