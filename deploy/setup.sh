@@ -39,4 +39,6 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # error after every install, so the installs say --no-warn-conflicts.
 python -m pip install -q --no-warn-conflicts -e ".[test,bench]" sortedcontainers aiofile aiofiles
 python -m pip install -q --no-warn-conflicts --no-deps lmcache==0.5.6
+# vllm-router (the KV-aware router of the fleet recipe and its test)
+python -m pip install -q --no-warn-conflicts vllm-router==0.1.17
 python -c "import kvreel.connector, vllm, av, lmcache; print('kvreel ready: vllm', vllm.__version__, '| PyAV', av.__version__)"
