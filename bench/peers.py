@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, free_port, python_source_corpus, save, start_openai_server, start_redis  # noqa: E402,E501
+from common import free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -297,9 +297,7 @@ def plot(name: str, results: dict) -> None:
         for ax in axes[row]:
             ax.set_xticks(list(xs), have, rotation=20, fontsize=8)
             ax.set_title(w, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

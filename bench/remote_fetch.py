@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, plot_lines, python_source_corpus, save, start_redis  # noqa: E402
+from common import plot_lines, python_source_corpus, save, save_figure, start_redis  # noqa: E402
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
@@ -264,9 +264,7 @@ def _plot_interference(res: dict, name: str) -> None:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"requests without reuse while others fetch over {res['link_gbps']} Gbps", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}_interference.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, f"{name}_interference")
 
 
 if __name__ == "__main__":

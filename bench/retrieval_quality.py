@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, save  # noqa: E402
+from common import save, save_figure  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
 from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
@@ -267,9 +267,7 @@ def _plot(summary, out_name):
         ax.set_xlabel("history tokens fetched (share)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{out_name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_name)
 
 
 def _heatmap(hm, L, H, name):
@@ -285,9 +283,7 @@ def _heatmap(hm, L, H, name):
     ax.set_ylabel("layer")
     ax.set_title(f"{hm['method']} alpha={hm['alpha']}: share fetched", fontsize=9)
     fig.colorbar(im)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

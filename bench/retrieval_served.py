@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (engine_in_subprocess, engine_or_main, in_process_dre, python_source_corpus,  # noqa: E402
-                    report, retrieval_counters, save)
+from common import (engine_in_subprocess, engine_or_main, in_process_dre, python_source_corpus, report,  # noqa: E402
+                    retrieval_counters, save, save_figure)
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -264,9 +264,7 @@ def _plot(name: str, results: dict) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.suptitle(f"retrieval as served: {name}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(Path(__file__).parent / "results" / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, free_port, python_source_corpus, save, start_openai_server, start_redis  # noqa: E402,E501
+from common import free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis  # noqa: E402
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
@@ -436,9 +436,7 @@ def _plot(results, samples, events, name):
         for axis in ax:
             axis.axvline(e["t"], color="grey", lw=0.7, ls="--")
         ax[0].text(e["t"], ax[0].get_ylim()[1], e["event"], rotation=90, fontsize=6, va="top")
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":
