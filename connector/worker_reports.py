@@ -101,10 +101,10 @@ class WorkerReports:
             failed = tier.take_failed_writes()
             if failed:
                 meta.failed_writes[kind] = failed
-            went_off, came_back = tier.take_changes()
-            if went_off:
-                meta.tiers_off[kind] = went_off
-            if came_back:
+            changes = tier.take_changes()
+            if changes.went_off:
+                meta.tiers_off[kind] = changes.went_off
+            if changes.came_back:
                 meta.tiers_back.add(kind)
         with self.lock:
             meta.bad_keys, self._bad_keys = self._bad_keys, set()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvreel.codec.formats import ChunkError, read_chunk
+from kvreel.connector.tiers import TierChanges
 from kvreel.connector.tiers.disk import DiskTier, scan_chunk_files
 
 ID = "model-a"
@@ -76,9 +77,9 @@ def test_unwritable_directory_disables_the_tier(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     tier = DiskTier(blocker, ID, 0, queue_size=4)
-    went_off, came_back = tier.take_changes()
-    assert not tier.enabled and "is not writable" in went_off and not came_back
-    assert tier.take_changes() == (None, False)
+    changes = tier.take_changes()
+    assert not tier.enabled and "is not writable" in changes.went_off and not changes.came_back
+    assert tier.take_changes() == TierChanges()
     assert not tier.put(b"\x02" * 32, [b"\x00" * 32], payload(1))
     assert tier.take_failed_writes() == {b"\x02" * 32}
     assert tier.take_failed_writes() == set()
@@ -89,12 +90,12 @@ def test_a_directory_that_becomes_writable_turns_the_tier_back_on(tmp_path):
     blocker = tmp_path / "disk"
     blocker.write_text("x")                    # where the tier's directory should be: not writable
     tier = DiskTier(blocker, ID, 0, queue_size=4)
-    assert not tier.enabled and "is not writable" in tier.take_changes()[0]
+    assert not tier.enabled and "is not writable" in tier.take_changes().went_off
     blocker.unlink()                           # the operator frees it; the writer's probe finds out
     deadline = time.monotonic() + 10
     while not tier.enabled and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert tier.enabled and tier.take_changes() == (None, True)
+    assert tier.enabled and tier.take_changes() == TierChanges(came_back=True)
     key, data = b"\x03" * 32, payload(2)
     assert tier.put(key, [bytes([i]) * 32 for i in range(2)], data)
     tier.flush()

@@ -89,7 +89,7 @@ def test_saves_cut_chunks_at_their_boundaries_and_skip_what_is_held(tmp_path):
     assert [op.block_hashes for op in ops.values()] == [req.block_hashes[1:2], req.block_hashes[2:4],
                                                          req.block_hashes[4:5]]
     assert all(REMOTE in op.tiers for op in ops.values())                  # 2-3: only block 3 came from there
-    assert st.saved_upto == 5 and all(s.indexed(s.index[h][0]) for h in req.block_hashes[1:])
+    assert st.saved_upto == 5 and all(s.indexed(s.holder(h)) for h in req.block_hashes[1:])
     again = RequestState(req, block_ids=([10, 11, 12, 13, 14],))
     saves.plan(again, computed_after=5 * BS)
     assert len(s.stores) == 4                                              # only block 0 was new

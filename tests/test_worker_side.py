@@ -9,7 +9,7 @@ import torch
 from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata, LoadOp, LoadPiece, StoreOp
-from kvreel.connector.tiers import ChunkTier, Tier
+from kvreel.connector.tiers import ChunkTier, Tier, TierChanges
 from kvreel.connector.worker_side import KVReelWorker
 
 LAYERS, BLOCKS, PAGE = 3, 32, 256
@@ -23,7 +23,7 @@ class FakeDisk(ChunkTier):
 
     def __init__(self):
         self.chunks, self.deleted = {}, []
-        self.failed, self.changes, self.damaged = set(), (None, False), set()
+        self.failed, self.changes, self.damaged = set(), TierChanges(), set()
 
     def put(self, key, block_hashes, payload):
         self.chunks[key] = payload.clone()
@@ -45,7 +45,7 @@ class FakeDisk(ChunkTier):
         return taken
 
     def take_changes(self):
-        taken, self.changes = self.changes, (None, False)
+        taken, self.changes = self.changes, TierChanges()
         return taken
 
 
@@ -90,7 +90,7 @@ def test_a_damaged_or_missing_chunk_is_reported_for_recompute_and_never_written(
 
 def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
     worker, cache, disk = worker_with_fake_disk()
-    disk.failed, disk.changes = {KEY}, ("No space left on device", False)
+    disk.failed, disk.changes = {KEY}, TierChanges(went_off="No space left on device")
     meta = worker.take_worker_meta()
     assert meta.failed_writes == {Tier.DISK: {KEY}} and meta.tiers_off == {Tier.DISK: "No space left on device"}
     assert Tier.DISK not in worker.tiers
@@ -98,7 +98,7 @@ def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
     assert KEY not in disk.chunks                              # off: nothing written to it
     worker.start_load_kv(KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 0, ([8],))], False)]))
     assert worker.take_load_errors() == {8}
-    disk.changes = (None, True)
+    disk.changes = TierChanges(came_back=True)
     meta = worker.take_worker_meta()
     assert meta.tiers_back == {Tier.DISK} and worker.tiers[Tier.DISK] is disk
     assert worker.take_worker_meta() is None                   # nothing new to say

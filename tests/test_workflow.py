@@ -128,9 +128,9 @@ def test_prefetch_brings_the_next_agents_prefix_into_host_memory(tmp_path):
     c_key = bytes([ord("C"), 1]) * 16
     assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.DISK)]
     assert sched.build_connector_meta(scheduler_output()).prefetches == []     # issued once
-    assert Tier.HOST not in sched.store.index[c_key][0].tiers                 # not offered before it has landed
+    assert Tier.HOST not in sched.store.holder(c_key).tiers                 # not offered before it has landed
     worker_said(sched, prefetched={c_key: 1})
-    assert Tier.HOST in sched.store.index[c_key][0].tiers
+    assert Tier.HOST in sched.store.holder(c_key).tiers
     sched.request_finished(request)
     assert step(sched, "r6", "C", wf)[0] == Tier.HOST
     counts = sched.take_stats().data
@@ -148,7 +148,7 @@ def test_a_failed_prefetch_releases_its_room(tmp_path):
     used = sched.host.used
     worker_said(sched, prefetch_failed={c_key})
     assert sched.host.used == used - CHUNK and c_key not in sched.host.lru
-    assert sched.store.index[c_key][0].pins == 0
+    assert sched.store.holder(c_key).pins == 0
     assert sched.take_stats().data["prefetches|failed"] == 1
 
 
@@ -166,5 +166,5 @@ def test_a_chunk_gone_from_every_local_tier_is_prefetched_from_the_remote_store(
     sched.get_num_new_matched_tokens(agent_request("r4", "A", wf), 0)
     assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.REMOTE)]
     worker_said(sched, prefetched={c_key: 1})
-    assert sched.store.index[c_key][0].tiers == {Tier.HOST}   # indexed again, in host memory
+    assert sched.store.holder(c_key).tiers == {Tier.HOST}   # indexed again, in host memory
     sched.remote.close()

@@ -193,9 +193,9 @@ class KVReelScheduler:
                         chunk = self.store.by_key(key)
                         self.store.events.removed(chunk.block_hashes if chunk else [key], tier)
                 for key in keys if tier in self.store.budgets else ():
-                    entry = self.store.index.get(key)
-                    if entry and tier in entry[0].tiers:
-                        self.store.drop_copy(entry[0], tier)
+                    chunk = self.store.holder(key)
+                    if chunk is not None and tier in chunk.tiers:
+                        self.store.drop_copy(chunk, tier)
             for key in meta.bad_keys:
                 self.store.drop(key)
             if self.prefetch is not None:

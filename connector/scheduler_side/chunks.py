@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import StoreOp
@@ -46,6 +46,12 @@ class Chunk:
         """``user``'s prompt holds this chunk: it takes that agent's distance."""
         if len(self.users) < MAX_USERS:
             self.users.add(user)
+
+
+class BlockRef(NamedTuple):
+    """Where the index finds a block: its chunk and its row in it."""
+    chunk: Chunk
+    row: int
 
 
 class TierBudget:
@@ -105,7 +111,7 @@ class ChunkStore:
                  events: TierEvents | None = None):
         self.stats = stats
         self.events = events
-        self.index: dict[bytes, tuple[Chunk, int]] = {}
+        self.index: dict[bytes, BlockRef] = {}
         self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, steps)}
         if cfg.disk_dir:
             self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, steps)
@@ -125,10 +131,10 @@ class ChunkStore:
     def add(self, chunk: Chunk) -> None:
         """Index every block of ``chunk``."""
         for row, h in enumerate(chunk.block_hashes):
-            self.index[h] = (chunk, row)
+            self.index[h] = BlockRef(chunk, row)
 
     def indexed(self, chunk: Chunk) -> bool:
-        return self.index.get(chunk.block_hashes[-1], (None,))[0] is chunk
+        return self.holder(chunk.block_hashes[-1]) is chunk
 
     def admit(self, chunk: Chunk, tier: Tier, present: bool = True) -> bool:
         """Make room (evicting in the tier's order) and account ``chunk`` in a local
@@ -173,13 +179,18 @@ class ChunkStore:
             self.stats.add("prefetches", label="wasted")
         if not chunk.tiers:
             for h in chunk.block_hashes:
-                if self.index.get(h, (None,))[0] is chunk:
+                if self.holder(h) is chunk:
                     del self.index[h]
 
     def by_key(self, key: bytes) -> Chunk | None:
         """The indexed chunk whose key this is (a chunk's key is its last block's hash)."""
-        entry = self.index.get(key)
-        return entry[0] if entry is not None and entry[0].key == key else None
+        chunk = self.holder(key)
+        return chunk if chunk is not None and chunk.key == key else None
+
+    def holder(self, block_hash: bytes) -> Chunk | None:
+        """The indexed chunk that holds a block."""
+        ref = self.index.get(block_hash)
+        return ref.chunk if ref is not None else None
 
     def drop(self, key: bytes) -> None:
         """Forget a chunk everywhere (it failed verification)."""

@@ -39,7 +39,7 @@ class LoadPlanner:
         held_from_zero = n
         if st.user is not None:
             for h in hashes[:n]:
-                index[h][0].used_by(st.user)
+                index[h].chunk.used_by(st.user)
         start = num_computed_tokens // bs
         n = max(n, start)               # blocks below `start` are in vLLM's own cache already
         local_end = n
@@ -69,7 +69,7 @@ class LoadPlanner:
             return 0, False
         st.pending = PendingLoad(start, local_end, found, skip)
         needs_async = n > local_end or skip > 0 or self.loads_by_request or \
-            any(HOST not in index[h][0].tiers for h in hashes[start:local_end])
+            any(HOST not in index[h].chunk.tiers for h in hashes[start:local_end])
         return (n - start) * bs, needs_async and not self.blocking
 
     # -- vLLM allocated the blocks ----------------------------------------------------------

@@ -34,9 +34,9 @@ class Prefetcher:
         of its last prompt (the prefetch target)."""
         chunks: OrderedDict[bytes, Chunk] = OrderedDict()
         for h in st.request.block_hashes[:prompt_blocks(st.request, self.block_size)]:
-            entry = self.store.index.get(h)
-            if entry is not None:
-                chunks[entry[0].key] = entry[0]
+            chunk = self.store.holder(h)
+            if chunk is not None:
+                chunks[chunk.key] = chunk
         self._agent_chunks[st.user] = chunks
 
     def _source(self, chunk: Chunk) -> Tier | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -25,6 +26,13 @@ class Tier(StrEnum):
     HOST = "host"
     DISK = "disk"
     REMOTE = "remote"
+
+
+@dataclass(frozen=True)
+class TierChanges:
+    """What happened to a tier since the worker last asked."""
+    went_off: str | None = None         # why it turned off
+    came_back: bool = False
 
 
 class ChunkTier(ABC):
@@ -54,9 +62,9 @@ class ChunkTier(ABC):
         """Chunks whose write did not land since the last call."""
         return set()
 
-    def take_changes(self) -> tuple[str | None, bool]:
-        """(why the tier turned off, whether it came back on) since the last call."""
-        return None, False
+    def take_changes(self) -> "TierChanges":
+        """Whether the tier turned off (and why) or came back on since the last call."""
+        return TierChanges()
 
     def take_encode_seconds(self) -> dict[str, float]:
         """Time spent encoding stored forms since the last call, per form (for the metrics)."""

@@ -20,7 +20,7 @@ import torch
 from kvreel.codec.formats import (ChunkError, ChunkFileHeader, ChunkUnavailable, chunk_dir, chunk_path,
                                   encode_chunk_file, identity_description_path, key_of_path, read_chunk,
                                   read_chunk_header)
-from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues
+from kvreel.connector.tiers import ChunkTier, Tier, TierChanges, wait_for_queues
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,9 @@ class DiskTier(ChunkTier):
             failed, self._failed = self._failed, set()
         return failed
 
-    def take_changes(self) -> tuple[str | None, bool]:
+    def take_changes(self) -> TierChanges:
         with self._lock:
-            changes = self._went_off, self._came_back
+            changes = TierChanges(self._went_off, self._came_back)
             self._went_off, self._came_back = None, False
         return changes
 
