@@ -127,6 +127,17 @@ def readable_copy(model: str, tmp: Path) -> Path:
     return out / "model"
 
 
+def wait_healthy(base: str, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=5).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"{what} did not become healthy"
+            time.sleep(2)
+
+
 def completion(base: str, prompt: list[int], max_tokens: int) -> dict:
     _, body = _http(base + "/v1/completions", {"model": "/models/model", "prompt": prompt,
                                                "max_tokens": max_tokens, "temperature": 0})
@@ -177,14 +188,7 @@ def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp
     try:
         sh(*compose, "up", "-d", env=env, timeout=600)
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vLLM in the stack did not become healthy"
-                time.sleep(3)
+        wait_healthy(base, 600, "vLLM in the stack")
         prompt = tokens(600, 11)
         completion(base, prompt, 4)
         _http(base + "/reset_prefix_cache", {})
@@ -198,9 +202,41 @@ def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp
         # the DRE, in a container of its own (another IPC namespace), selected what was attended to
         assert counters["retrieval_steps_total|selected"] > 0
         assert counters["retrieval_steps_total|dre_down"] == 0
+        sh(*compose, "down", "-v", env=env, timeout=300)
+        check_fleet(compose, env)
     except BaseException:
-        print(subprocess.run([*map(str, compose), "logs", "--no-color", "--tail", "80"], env=env,
-                             capture_output=True, text=True).stdout)
+        print(subprocess.run([*map(str, compose), "--profile", "fleet", "logs", "--no-color", "--tail", "80"],
+                             env=env, capture_output=True, text=True).stdout)
         raise
     finally:
-        subprocess.run([*map(str, compose), "down", "-v"], env=env, capture_output=True, timeout=300)
+        subprocess.run([*map(str, compose), "--profile", "fleet", "down", "-v"], env=env, capture_output=True,
+                       timeout=300)
+
+
+def check_fleet(compose: list, env: dict) -> None:
+    """The fleet profile from the same images: two engines on a 3-master Redis Cluster
+    behind vllm-router's kv_aware policy. A prefix pushed out of its engine's paged
+    cache is routed back to that engine and served by kvreel's host tier; the other
+    engine reuses it from the cluster."""
+    ports = {name: free_port() for name in ("KVREEL_FLEET_PORT", "KVREEL_FLEET_ENGINE_A_PORT",
+                                             "KVREEL_FLEET_ENGINE_B_PORT")}
+    env = {**env, **{k: str(v) for k, v in ports.items()},
+           "FLEET_VLLM_EXTRA_ARGS": "--num-gpu-blocks-override 80 --max-model-len 2048"}
+    sh(*compose, "--profile", "fleet", "up", "-d", "router", env=env, timeout=900)   # waits for healthy engines
+    router = f"http://127.0.0.1:{ports['KVREEL_FLEET_PORT']}"
+    engines = [f"http://127.0.0.1:{ports[k]}" for k in ("KVREEL_FLEET_ENGINE_A_PORT", "KVREEL_FLEET_ENGINE_B_PORT")]
+    wait_healthy(router, 120, "the router")
+    prefix = tokens(700, 21)                              # 21 full blocks of 32
+    assert completion(router, prefix + tokens(20, 22), 2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    saved = [read_counters(e, ("saved_bytes",)).get("saved_bytes_total|host", 0) for e in engines]
+    holder, other = (0, 1) if saved[0] > 0 else (1, 0)
+    assert saved[holder] > 0 and saved[other] == 0
+    for k in range(6):                                    # out of the holder's paged cache (80 blocks)
+        completion(engines[holder], tokens(900, 30 + k), 1)
+    hits = read_counters(engines[holder], ("lookup_hit_blocks",))["lookup_hit_blocks_total|host"]
+    again = completion(router, prefix + tokens(20, 23), 2)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 672      # routed back to the holder ...
+    assert read_counters(engines[holder], ("lookup_hit_blocks",))["lookup_hit_blocks_total|host"] - hits == 21
+    elsewhere = completion(engines[other], prefix + tokens(20, 24), 2)          # ... and shared through the cluster
+    assert elsewhere["usage"]["prompt_tokens_details"]["cached_tokens"] == 672
+    assert read_counters(engines[other], ("lookup_hit_blocks",))["lookup_hit_blocks_total|remote"] == 21
