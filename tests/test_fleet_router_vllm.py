@@ -7,41 +7,20 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
 import pytest
-import zmq
 
+from bench.common import zmq_relay
+from conftest import tokens
 from kvreel.connector.cli import CONNECTOR_JSON, free_port, stop_server, wait_healthy
 
 pytestmark = pytest.mark.vllm
 BS = 32
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 2000) for _ in range(n)]
-
-
-def _relay() -> tuple[str, str]:
-    """A loopback XSUB/XPUB relay: vLLM's publisher, given a host address,
-    connects (it binds only ``tcp://*:PORT``, every interface) and the router
-    subscribes to the other end. (publish endpoint, subscribe endpoint)"""
-    ctx = zmq.Context.instance()
-    xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
-    ends = []
-    for sock in (xsub, xpub):
-        port = free_port()
-        sock.bind(f"tcp://127.0.0.1:{port}")
-        ends.append(f"tcp://127.0.0.1:{port}")
-    threading.Thread(target=zmq.proxy, args=(xsub, xpub), daemon=True).start()
-    return ends[0], ends[1]
 
 
 def _complete(base: str, model: str, prompt: list[int]) -> int:
@@ -67,7 +46,7 @@ def test_router_sends_an_evicted_prefix_to_the_engine_whose_kvreel_holds_it(tiny
     env.update(PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1", KVREEL_CPU_BYTES="256MiB")
     try:
         for i in range(2):
-            publish, subscribe = _relay()
+            publish, subscribe = zmq_relay()
             port = free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
                    "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BS), "--max-model-len", "2048",
@@ -91,15 +70,15 @@ def test_router_sends_an_evicted_prefix_to_the_engine_whose_kvreel_holds_it(tiny
         routed = f"http://127.0.0.1:{port}"
         assert wait_healthy(router, routed, timeout_s=60) is None, (tmp_path / "router.log").read_text()[-3000:]
 
-        prefixes = [_tokens(700, s) for s in range(4)]            # 21 full blocks each
+        prefixes = [tokens(700, s) for s in range(4)]            # 21 full blocks each
         for k, prefix in enumerate(prefixes):                     # placed two per engine
-            _complete(engines[k % 2][1], tiny_model, prefix + _tokens(20, 100 + k))
+            _complete(engines[k % 2][1], tiny_model, prefix + tokens(20, 100 + k))
         for j in range(6):                                        # pushed out of both paged caches (80 blocks)
             for e, (_, base, _) in enumerate(engines):
-                _complete(base, tiny_model, _tokens(900, 1000 + 2 * j + e))
+                _complete(base, tiny_model, tokens(900, 1000 + 2 * j + e))
         time.sleep(1)                                             # the last events reach the router
         before = sum(_host_hits(base) for _, base, _ in engines)
-        cached = [_complete(routed, tiny_model, prefix + _tokens(20, 300 + k)) for k, prefix in enumerate(prefixes)]
+        cached = [_complete(routed, tiny_model, prefix + tokens(20, 300 + k)) for k, prefix in enumerate(prefixes)]
         assert cached == [21 * BS] * 4, cached                    # each went back to the engine holding it ...
         assert sum(_host_hits(base) for _, base, _ in engines) - before == 4 * 21   # ... served by kvreel's host tier
     finally:
