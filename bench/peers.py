@@ -142,11 +142,11 @@ def multi_turn_dataset(path: Path, tokenizer, conversations: int, turns: int, fi
     return len(rows)
 
 
-def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path) -> dict:
-    """One run of ``vllm bench serve``; its saved result."""
+def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path, served: str = "m") -> dict:
+    """One run of ``vllm bench serve`` (requests name the model ``served``); its saved result."""
     host, port = base.removeprefix("http://").split(":")
     cmd = [sys.executable, "-c", BENCH_CLIENT, "bench", "serve", "--backend", "vllm", "--host", host, "--port", port,
-           "--model", "m", "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", "4",
+           "--model", served, "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", "4",
            "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--ignore-eos",
            *workload]

