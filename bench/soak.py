@@ -102,13 +102,13 @@ def reset_prefix_cache(base: str) -> bool:
         return False
 
 
-def greedy_gaps(base: str, prompt: list[int], answer: list[int]) -> list[float]:
+def greedy_gaps(base: str, prompt: list[int], answer: list[int], model: str = "m") -> list[float]:
     """Teacher-forced check of one answer on plain vLLM: for each answer token, how
     far (nats) its logprob lies below the most likely token's, given the prompt and
     the answer's own tokens before it. 0 where the answer took the greedy choice.
     Requests with prompt logprobs skip vLLM's prefix cache, so the whole sequence is
     computed in one idle pass."""
-    body = json.dumps({"model": "m", "prompt": prompt + answer, "max_tokens": 1, "temperature": 0,
+    body = json.dumps({"model": model, "prompt": prompt + answer, "max_tokens": 1, "temperature": 0,
                        "prompt_logprobs": 1}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:

@@ -12,7 +12,8 @@ STORAGE, REMOTE. The hashes are the chunk's vLLM block hashes, the keys a lookup
 serves from, and an event is recorded exactly when the scheduler's index (what
 lookups read) changes, so an announced block is one a request can load.
 
-Limits: chunks found on disk at start-up carry no token ids (their files hold
+Limits: chunks found on disk at start-up, or fetched from the remote store by
+a workflow prefetch, carry no token ids or parent (their stored forms hold
 hashes, not tokens); a chunk in the remote store is announced by the engine
 that uploaded it, and its eviction by the store itself is not seen."""
 
