@@ -98,7 +98,7 @@ def main() -> None:
         with ThreadPoolExecutor(a.concurrency) as pool:
             list(pool.map(one, range(a.requests)))
         th.join()
-        counters = {e: read_counters(e, ("lookup_hit_blocks", "remote_upload_failures", "load_error_blocks"))
+        counters = {e: read_counters(e, ("lookup_hit_blocks", "remote_upload_failures", "load_errors"))
                     for e in fleet.engines}
     finally:
         fleet.stop()
