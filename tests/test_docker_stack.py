@@ -1,7 +1,8 @@
 """deploy/ for real: the CPU image and the store image built on a local Debian 12
 base, the compose stack (vLLM + kvreel, Redis from Debian's package, the DRE in
 a container of its own) brought up, asked through its published loopback port,
-and taken down.
+and taken down; then the fleet profile from the same images (two engines on a
+Redis Cluster behind vllm-router).
 
 No registry is needed: the base is made with mmdebstrap from the machine's own
 apt sources and ``docker import``ed; apt inside the build uses the same mirror
