@@ -34,19 +34,32 @@ def free_port() -> int:
 def start_redis(tmp: str, port: int | None = None):
     """Debian's redis-server on loopback, no persistence; (process, port) once it accepts connections."""
     import shutil
-    import socket
     import subprocess
     port = port or free_port()
     proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-    for _ in range(100):
+    try:
+        wait_port(port, proc, "redis-server", timeout=5)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, port
+
+
+def wait_port(port: int, proc, what: str, timeout: float = 300, log: Path | None = None) -> None:
+    """Wait until ``proc`` listens on ``port`` (loopback); RuntimeError if it exits or takes too long."""
+    import socket
+    see = f"; see {log}" if log else ""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited (code {proc.returncode}){see}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, port
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
         except OSError:
             time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+    raise RuntimeError(f"{what} did not listen on {port} in {timeout:.0f} s{see}")
 
 
 def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, password: str | None = None,
@@ -55,7 +68,6 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
     --cluster create``: {port: process} once every slot is served and every
     replica has synced (only then can one take over). Stop it with ``stop_all``."""
     import shutil
-    import socket
     import subprocess
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
@@ -75,15 +87,8 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
                  *(["--requirepass", password, "--masterauth", password] if password else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 30
-        for port in nodes:
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise RuntimeError(f"redis-server on port {port} did not start") from None
-                    time.sleep(0.05)
+        for port, proc in nodes.items():
+            wait_port(port, proc, f"redis-server on port {port}", timeout=max(0.0, deadline - time.time()))
         made = subprocess.run([cli, *auth, "--cluster", "create", *[f"127.0.0.1:{p}" for p in nodes],
                                "--cluster-replicas", str(replicas), "--cluster-yes"],
                               capture_output=True, text=True, timeout=60)
@@ -106,6 +111,27 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
         stop_all(nodes.values())
         raise
     return nodes
+
+
+def cluster_master(ports, password: str | None = None) -> int:
+    """The port of one of a Redis Cluster's masters."""
+    import redis.cluster
+    seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(ports)), password=password).cluster_nodes()
+    return next(int(addr.split("@")[0].rsplit(":", 1)[1]) for addr, info in seen.items() if "master" in info["flags"])
+
+
+def wait_for_failover(ports, master: int, password: str | None = None, timeout_s: float = 30) -> None:
+    """Wait until every other node sees the killed ``master`` hold no slots: its
+    replica took over (its flags read "fail?" a while before that, and "fail"
+    before the election ends)."""
+    import redis
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        views = [redis.Redis(port=p, password=password).cluster("nodes") for p in sorted(set(ports) - {master})]
+        if all(not v[f"127.0.0.1:{master}"]["slots"] and "fail" in v[f"127.0.0.1:{master}"]["flags"].split(",")
+               for v in views):
+            return
+        time.sleep(0.1)
 
 
 def stop_all(procs) -> None:

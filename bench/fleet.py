@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, save, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
-from peers import (add_workload_args, bench_serve, build_workloads, plot_rounds, prefix_counters,  # noqa: E402
-                   run_rounds, workload_settings)
+from common import cluster_master, free_port, save, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
+from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
+                   prefix_counters, run_rounds, workload_settings)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -70,10 +70,8 @@ class Fleet:
         sources = []
         for i in range(2):
             port = free_port()
-            args = ["--model", a.model, "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
-                    "--enforce-eager", "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", "0.05",
-                    "--num-gpu-blocks-override", str(a.kv_blocks), "--max-num-batched-tokens", "512",
-                    "--max-num-seqs", "8"]
+            args = ["--model", a.model, "--host", "127.0.0.1", "--port", str(port),
+                    *engine_args(a.kv_blocks, a.max_model_len)]
             if kvreel:
                 args += ["--kv-transfer-config", CONNECTOR_JSON]
             base = f"http://127.0.0.1:{port}"
@@ -105,10 +103,7 @@ class Fleet:
 
     def kill_master(self) -> int:
         """SIGKILL one of the cluster's masters; its port."""
-        import redis.cluster
-        seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(self.cluster))).cluster_nodes()
-        port = next(int(addr.split("@")[0].rsplit(":", 1)[1]) for addr, info in seen.items()
-                    if "master" in info["flags"])
+        port = cluster_master(self.cluster)
         self.cluster[port].kill()
         return port
 

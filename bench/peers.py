@@ -45,11 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -57,7 +55,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis,  # noqa: E402
-                    summarize_runs)
+                    summarize_runs, wait_port)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -79,19 +77,6 @@ main()
 """
 
 
-def wait_port(port: int, proc: subprocess.Popen, what: str, log: Path, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited (code {proc.returncode}); see {log}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"{what} did not listen on {port} in {timeout:.0f} s; see {log}")
-
-
 def start_lmcache(port: int, host_bytes: int, l2: dict | None, log: Path) -> subprocess.Popen:
     """LMCache's multiprocess server, as its docs start it (CPU: engine-driven transfers); ``l2``: its L2 adapter, if any."""
     cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
@@ -101,15 +86,20 @@ def start_lmcache(port: int, host_bytes: int, l2: dict | None, log: Path) -> sub
            "--disable-observability"]
     proc = subprocess.Popen(cmd, env={**os.environ, "LMCACHE_TRACK_USAGE": "false"}, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
-    wait_port(port, proc, "the LMCache server", log)
+    wait_port(port, proc, "the LMCache server", log=log)
     return proc
+
+
+def engine_args(kv_blocks: int, max_model_len: int) -> list[str]:
+    """vLLM's settings in every benchmarked engine (shared with bench/fleet.py)."""
+    return ["--block-size", "32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", "0.05", "--num-gpu-blocks-override", str(kv_blocks),
+            "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
 
 
 def start_vllm(model: str, kv_blocks: int, transfer: dict | None, env: dict, log: Path,
                max_model_len: int) -> tuple[subprocess.Popen, str]:
-    args = ["--served-model-name", "m", "--block-size", "32", "--enforce-eager", "--max-model-len",
-            str(max_model_len), "--gpu-memory-utilization", "0.05", "--num-gpu-blocks-override", str(kv_blocks),
-            "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+    args = ["--served-model-name", "m", *engine_args(kv_blocks, max_model_len)]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return start_openai_server(model, args, {"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log)

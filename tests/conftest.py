@@ -70,8 +70,7 @@ def run_scenario(args: dict, timeout: int = 600) -> dict:
 def redis_server(tmp_path):
     """A real Redis (Debian's redis-server) on loopback with a password; yields (process, port)."""
     import shutil
-    import socket
-    import time
+    from bench.common import wait_port
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed (Debian package redis-server; deploy/setup.sh installs it as root)")
@@ -79,13 +78,7 @@ def redis_server(tmp_path):
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path), "--requirepass", "s3cret"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
+    wait_port(port, proc, "redis-server", timeout=10)
     yield proc, port
     proc.kill()
     proc.wait(timeout=30)

@@ -6,13 +6,15 @@ costs a recompute, never a wrong token."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
-import redis.cluster
 
+from bench.common import cluster_master
 from conftest import run_scenario, tokens
 
 pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).parents[1]
 
 P = tokens(600, 1)
 OTHER = tokens(300, 7)
@@ -34,16 +36,9 @@ def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_p
     elif store == "redis-cluster":
         nodes = request.getfixturevalue("redis_cluster")
         cfg = {**_cfg(0), "remote_url": "redis-cluster://:s3cret@" + ",".join(f"127.0.0.1:{p}" for p in nodes)}
-        seen = redis.cluster.RedisCluster(host="127.0.0.1", port=next(iter(nodes)), password="s3cret").cluster_nodes()
-        master = next(int(a.split("@")[0].rsplit(":", 1)[1]) for a, info in seen.items() if "master" in info["flags"])
-        # the replica took over once every surviving node sees the killed master hold no slots
-        # (its flags read "fail?" a while before that, and "fail" before the election ends)
-        promoted = ("shell:" + sys.executable + " -c \"import redis, time\n"
-                    f"for _ in range(300):\n"
-                    f"    views = [redis.Redis(port=p, password='s3cret').cluster('nodes') for p in {sorted(set(nodes) - {master})}]\n"
-                    f"    if all(not v['127.0.0.1:{master}']['slots'] and 'fail' in v['127.0.0.1:{master}']['flags'].split(',')"
-                    " for v in views): break\n"
-                    "    time.sleep(0.1)\"")
+        master = cluster_master(nodes, "s3cret")
+        promoted = (f"shell:{sys.executable} -c \"import sys; sys.path.insert(0, '{ROOT}'); "     # the replica took over
+                    f"from bench.common import wait_for_failover; wait_for_failover({sorted(nodes)}, {master}, 's3cret')\"")
         phases += [{"before": ["reset_prefix_cache", f"shell:kill -9 {nodes[master].pid}"], "prompts": [P]},
                    {"before": [promoted, "reset_prefix_cache"], "prompts": [P]}]
     else:       # a shared filesystem
