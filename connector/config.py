@@ -190,9 +190,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Working set per long request and layer: at most this share of the history (sink block included) is "
             "attended to in one step, chosen anew for every step's queries; 1 with a token budget that holds "
             "the history keeps all of it (outputs identical to vLLM's).", lambda v: 0 < v <= 1),
-    _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a step scores exactly with its "
-                 "queries. A longer history is narrowed first by its DRE clusters (ranked by centroid), so a step's "
-                 "cost stops growing with the history; 0 scores every history token, every step.", 0, 1024),
+    _int_setting("RETRIEVAL_CANDIDATES", 2, "How many times the budget's tokens a step scores exactly with its "
+                 "queries. A history at least twice that long is narrowed first by its DRE clusters (ranked by "
+                 "centroid), so a step's cost grows slower than the history; 0 scores every history token, every "
+                 "step.", 0, 1024),
+    _int_setting("RETRIEVAL_ROWS_PER_SET", 64, "A long request's query rows (a prefill chunk's tokens) that share "
+                 "one working set: a chunk's rows are attended to in groups this size, each with the history its "
+                 "own queries select, so a question inside a chunk finds its needle. Smaller: closer to per-token "
+                 "selection, one more kernel call per group.", 1, 1 << 20),
     _int_setting("RETRIEVAL_BUDGET_TOKENS", 4096, "Working set per long request and layer: the most history "
                  "tokens (sink block included) attended to in one step, whatever the share; held in kvreel's "
                  "buffer beside vLLM's cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),

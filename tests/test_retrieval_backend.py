@@ -187,6 +187,50 @@ def test_each_step_attends_to_what_its_own_queries_select(setup):
     assert runtime.take_stats().data["retrieval_steps|selected"] == 3
 
 
+def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setup, monkeypatch):
+    """A long request's prefill chunk is attended to in groups of
+    ``KVREEL_RETRIEVAL_ROWS_PER_SET`` rows, each with the history its own
+    queries select: groups asking for different needles each get theirs, and
+    every row's output is attention over its group's working set, then the
+    resident tokens up to its own position."""
+    import dataclasses
+
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(11)
+    rows, per_set = 70, 32
+    layer, cache, meta, query = _batch([20 * BS + 3], [rows], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
+                                      retrieval_rows_per_set=per_set)
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
+    keys, values = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    needles = (3 * BS + 7, 11 * BS + 30, 6 * BS + 1)             # one per group of rows
+    for i, needle in enumerate(needles):
+        query[per_set * i:per_set * (i + 1), :G] = (keys[needle, 0] * 8).bfloat16()
+    held = []
+    working_set = runtime.working_set
+
+    def recording(*args):
+        ws = working_set(*args)
+        held.append(ws.held[:, :ws.m * BS].clone())
+        return ws
+    monkeypatch.setattr(runtime, "working_set", recording)
+    out = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, out)
+    assert len(held) == 3 and all(h.shape[1] <= 4 * BS for h in held)
+    first_position = int(meta.seq_lens[0]) - rows
+    for i, needle in enumerate(needles):
+        assert needle in held[i][0].tolist()
+        for row in range(per_set * i, min(per_set * (i + 1), rows)):
+            for h in range(H):
+                tokens = torch.cat([held[i][h], torch.arange(14 * BS, first_position + row + 1)])
+                k, v = keys[tokens, h].float(), values[tokens, h].float()
+                w = torch.softmax(query[row, h * G:(h + 1) * G].float() @ k.T * D ** -0.5, dim=-1)
+                assert torch.allclose(out[row, h * G:(h + 1) * G].float(), w @ v, atol=2e-2, rtol=2e-2)
+    assert runtime.take_stats().data["retrieval_steps|selected"] == 3
+
+
 def test_a_new_choice_keeps_the_places_of_tokens_that_stay(setup):
     from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup

@@ -84,6 +84,58 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         return self._rows_of[2]
 
     def _attend_long(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
+        """Long rows attend to their working sets: a request with more query rows
+        than ``KVREEL_RETRIEVAL_ROWS_PER_SET`` (a prefill chunk) that selects from
+        its history does so in groups of rows (``_attend_in_groups``); the others
+        (decode steps, short chunks, whole histories) in one kernel call."""
+        rt = self.runtime
+        qsl = meta.query_start_loc.tolist()
+        grouped = {r: req for r, req in long_rows.items()
+                   if qsl[r + 1] - qsl[r] > rt.cfg.retrieval_rows_per_set and not rt.exact_for(rt.histories[req])}
+        whole = {r: req for r, req in long_rows.items() if r not in grouped}
+        if whole:
+            self._attend_together(layer, query, kv_cache, meta, whole, output)
+        for r, req_id in grouped.items():
+            self._attend_in_groups(layer, query, kv_cache, meta, r, req_id, output)
+
+    def _attend_in_groups(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
+        """Row ``r``'s queries in groups of ``KVREEL_RETRIEVAL_ROWS_PER_SET``, one
+        kernel call each: a group attends to the history its own queries select,
+        then to the request's resident blocks up to its last token. A chunk shares
+        no working set, so the few rows that ask for a needle are not outvoted by
+        the rest; the resident pages are copied once, behind the slot's budget pages."""
+        rt = self.runtime
+        bs, H, G = rt.block_size, self.num_kv_heads, self.num_heads // self.num_kv_heads
+        start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
+        hist = rt.histories[req_id]
+        seq_len = int(meta.seq_lens[r])
+        pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
+        resident = pages.index_select(0, meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long())
+        first, n = rt.budget_pages, resident.shape[0]        # working sets never hold more than the budget's pages
+        scratch = None
+        for a in range(start, end, rt.cfg.retrieval_rows_per_set):
+            b = min(a + rt.cfg.retrieval_rows_per_set, end)
+            q = query[a:b]
+            ws = rt.working_set(req_id, self.layer_index,
+                                q.reshape(b - a, H, G, -1).permute(1, 0, 2, 3).reshape(H, (b - a) * G, -1))
+            if a == start:
+                if first + n <= rt.slot_pages:
+                    ws.buffer[first:first + n] = resident
+                else:                # more resident blocks than the slot has room for (see _attend_together)
+                    scratch = torch.empty(first + n, *pages.shape[1:], dtype=pages.dtype)
+                    scratch[first:] = resident
+            if scratch is not None:
+                scratch[:ws.m] = ws.buffer[:ws.m]
+            base = 0 if scratch is not None else ws.slot * rt.slot_pages
+            table = torch.cat([torch.arange(base, base + ws.m), torch.arange(base + first, base + first + n)])
+            sub = self._metadata(layer, meta, q, torch.tensor([0, b - a], dtype=meta.query_start_loc.dtype),
+                                 torch.tensor([ws.m * bs + seq_len - hist.num_blocks * bs - (end - b)],
+                                              dtype=meta.seq_lens.dtype),
+                                 table.to(meta.block_table.dtype).unsqueeze(0))
+            buffer = rt.buffer(self.layer_index) if scratch is None else scratch
+            super().forward(layer, q, None, None, buffer.view(buffer.shape[0], H, bs, -1), sub, output[a:b])
+
+    def _attend_together(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
         """One kernel call over the layer's working-set buffer with the batch's
         row structure: long rows attend to their working sets, the other rows
         are stand-ins (their outputs are dropped). Keeping every row, with the

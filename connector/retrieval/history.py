@@ -22,6 +22,14 @@ import torch
 from kvreel.connector.retrieval.page_packing import PagePacking
 
 
+def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[h, index[h]]`` for every head: ``[H, n, D]`` from ``x`` ``[H, T, D]`` and
+    ``index`` ``[H, n]``. Row copies (``index_select``) rather than ``torch.gather``
+    with an expanded index, which on CPU copies element by element: 25x slower
+    for 16 K keys of 64 channels on this machine, and most of a decode step."""
+    return torch.stack([x[h].index_select(0, index[h]) for h in range(x.shape[0])])
+
+
 class LayerHistory:
     """One layer's history of one request."""
 

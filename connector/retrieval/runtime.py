@@ -23,8 +23,8 @@ What each layer keeps:
   ``alpha`` of its mass. Nothing waits and nothing is stale: the first token
   after a prompt attends to what its own query asks for.
 
-Which tokens are scored: all of them, exactly, while the history is at most
-``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
+Which tokens are scored: all of them, exactly, while the history is less
+than twice ``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
 clusters narrow them first: every cluster is ranked by its centroid and only
 the tokens of the best ones (that many times the budget) are scored exactly
 (``LayerHistory.candidates``), so a step's cost stops growing with the
@@ -208,7 +208,7 @@ class RetrievalRuntime:
         now, or will before it is twice as long (so they are ready in time)."""
         blocks = 2 * (hist.num_blocks + extra)
         return (self.cfg.retrieval_candidates > 0 and not self.exact_for(hist, extra)
-                and self.cfg.retrieval_candidates * self.kept_tokens(blocks) < (blocks - 1) * self.block_size)
+                and 2 * self.cfg.retrieval_candidates * self.kept_tokens(blocks) <= (blocks - 1) * self.block_size)
 
     def kept_tokens(self, blocks: int) -> int:
         """History tokens a layer attends to beside the sink block, for a history of

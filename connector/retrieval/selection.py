@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory
+from kvreel.connector.retrieval.history import LayerHistory, rows_of
 
 ROWS_AT_ONCE = 32            # query rows scored together
 
@@ -38,7 +38,7 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
         totals.append(top_logit + total.log())
     top = torch.topk(best, k, dim=1).indices                                 # [H, k], best first
     if alpha < 1:
-        chosen = keys_t.gather(2, top.unsqueeze(1).expand(-1, keys_t.shape[1], -1))
+        chosen = rows_of(keys, top).transpose(1, 2)
         need = 0
         for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
             taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()   # shares, best first
@@ -51,13 +51,13 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     """The history tokens a layer's step attends to ``[H, bs + m]``: the sink block,
     then at most ``count`` tokens its queries ``[H, R, D]`` want most
     (``select_tokens``), scored among every history token, or among the
-    ``candidates x count`` the DRE's clusters rank best once the history is longer."""
+    ``candidates x count`` the DRE's clusters rank best once the history is at
+    least twice that long."""
     bs = lh.block_size
     narrowed = candidates * count
-    if 0 < narrowed < lh.num_tokens - bs:
+    if 0 < narrowed <= (lh.num_tokens - bs) // 2:         # narrowing less than half costs more than it saves
         scored = lh.candidates(queries, narrowed)
-        keys = lh.keys.gather(1, scored.unsqueeze(-1).expand(-1, -1, lh.head_dim))
-        chosen = scored.gather(1, select_tokens(queries, keys, alpha, count, bs))
+        chosen = scored.gather(1, select_tokens(queries, rows_of(lh.keys, scored), alpha, count, bs))
     else:
         chosen = select_tokens(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs) + bs
     return torch.cat([torch.arange(bs).expand(lh.heads, -1), chosen], 1)

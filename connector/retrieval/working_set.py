@@ -58,5 +58,7 @@ class WorkingSet:
     def _write(self, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         if heads.numel():
             bs = lh.block_size
+            rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
             lh.packing.write_tokens(self.buffer, slots // bs, heads, slots % bs,
-                                    lh.keys[heads, tokens], lh.values[heads, tokens])
+                                    lh.keys.view(-1, lh.head_dim).index_select(0, rows),
+                                    lh.values.view(-1, lh.head_dim).index_select(0, rows))
