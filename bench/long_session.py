@@ -179,7 +179,8 @@ def main() -> None:
         f"vLLM + kvreel {a.method} (defaults), {a.blocks}-block cache": {
             **common, **small, "lengths": [a.short] + lengths,
             "env": {**common["env"], "KVREEL_RETRIEVAL": a.method, **extra}},
-        f"vLLM + kvreel, retrieval off, {a.blocks}-block cache": {**common, **small, "lengths": [a.short]},
+        f"vLLM + kvreel, retrieval off, {a.blocks}-block cache": {**common, **small, "lengths": [a.short],
+                                                                 "max_model_len": (a.blocks - 1) * 32},
     }
     results = {}
     for label, args in runs.items():
