@@ -1,0 +1,139 @@
+"""How many prefill rows may share one working set: teacher-forced top-1
+agreement with full attention when a prefill chunk's rows are selected for in
+groups of G (``KVREEL_RETRIEVAL_ROWS_PER_SET``), offline, in transformers.
+
+The model runs its eager attention with each position past the retrieval
+threshold restricted to what kvreel would let it see: the sink block, the
+history tokens its group's queries select (kvreel's own ``select_tokens``, at
+kvreel's default share, budget and alpha), then the window and the chunk up to
+itself. Full attention in the same run is the reference. Every history token
+is scored exactly (as kvreel does below twice the candidates x the budget;
+past that its clusters narrow the scoring first).
+
+    python bench/prefill_groups.py --model /path/to/smollm2-135m --groups 512,64,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import python_source_corpus, save, save_figure  # noqa: E402
+
+from kvreel.connector.config import KVReelConfig  # noqa: E402
+from kvreel.connector.retrieval.selection import select_tokens  # noqa: E402
+
+BLOCK = 32
+
+
+class RetrievalMask:
+    """Eager attention over what a group of prefill rows would attend to under kvreel."""
+
+    def __init__(self, original, cfg: KVReelConfig, tokens: int, chunk: int):
+        self.original, self.cfg, self.tokens, self.chunk = original, cfg, tokens, chunk
+        self.group: int | None = None          # None: full attention
+        self.read = [0, 0]                     # history tokens attended to / history tokens, summed
+
+    def kept(self, blocks: int) -> int:
+        pages = min(math.ceil(self.cfg.retrieval_budget_share * blocks), self.cfg.retrieval_budget_tokens // BLOCK)
+        return (max(2, pages) - 1) * BLOCK
+
+    def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        if self.group is None:
+            return self.original(module, query, key, value, attention_mask, scaling, dropout, **kw)
+        from transformers.models.llama.modeling_llama import repeat_kv
+        q, k = query[0], key[0]                                   # [Hq, T, D], [H, T, D]
+        heads, per_head = k.shape[0], q.shape[0] // k.shape[0]
+        keys, values = repeat_kv(key, per_head)[0], repeat_kv(value, per_head)[0]
+        out = torch.empty_like(q)
+        for s in range(0, self.tokens, self.chunk):
+            e = min(s + self.chunk, self.tokens)
+            logits = torch.matmul(q[:, s:e], keys[:, :e].transpose(1, 2)).float() * scaling
+            allowed = torch.ones(q.shape[0], e - s, e, dtype=torch.bool).tril(s)
+            if s >= self.cfg.retrieval_min_tokens:
+                history = (s - self.cfg.retrieval_window) // BLOCK * BLOCK
+                count = self.kept(history // BLOCK)
+                for a in range(s, e, self.group):
+                    b = min(a + self.group, e)
+                    rows = q[:, a:b].reshape(heads, per_head * (b - a), -1)
+                    chosen = select_tokens(rows, k[:, BLOCK:history], self.cfg.retrieval_alpha, count, BLOCK) + BLOCK
+                    self.read[0] += chosen.shape[1] * heads
+                    self.read[1] += (history - BLOCK) * heads
+                    seen = torch.zeros(heads, e, dtype=torch.bool)
+                    seen[:, :BLOCK] = True
+                    seen.scatter_(1, chosen, True)
+                    seen[:, history:] = True
+                    allowed[:, a - s:b - s] &= seen.repeat_interleave(per_head, 0)[:, None, :]
+            logits.masked_fill_(~allowed, -math.inf)
+            out[:, s:e] = torch.matmul(torch.softmax(logits, -1).to(q.dtype), values[:, :e])
+        return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a Llama-architecture model directory (transformers)")
+    ap.add_argument("--groups", default="512,64,16", help="rows per working set, comma separated")
+    ap.add_argument("--tokens", type=int, default=6144, help="held-out Python source, prefilled in chunks")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
+    a = ap.parse_args()
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv"})
+    ids = AutoTokenizer.from_pretrained(a.model)(python_source_corpus(8 * a.tokens))["input_ids"][:a.tokens]
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    mask = RetrievalMask(llama.eager_attention_forward, cfg, a.tokens, a.chunk)
+    llama.eager_attention_forward = mask
+    x = torch.tensor([ids])
+    scored = slice(cfg.retrieval_min_tokens - 1, a.tokens - 1)     # predictions of positions past the threshold
+    rows = []
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        reference = model(x).logits[0].argmax(-1)
+        print(f"full attention: {time.perf_counter() - t0:.0f} s", flush=True)
+        for group in [int(g) for g in a.groups.split(",")]:
+            mask.group, mask.read = group, [0, 0]
+            t0 = time.perf_counter()
+            got = model(x).logits[0].argmax(-1)
+            agreement = (got[scored] == reference[scored]).float().mean().item()
+            rows.append({"rows_per_set": group, "top1_agreement": agreement,
+                         "history_read": mask.read[0] / mask.read[1], "seconds": time.perf_counter() - t0})
+            print(rows[-1], flush=True)
+    settings = {"tokens": a.tokens, "chunk": a.chunk, "positions_scored": a.tokens - cfg.retrieval_min_tokens,
+                **{k: getattr(cfg, k) for k in ("retrieval_budget_share", "retrieval_budget_tokens", "retrieval_alpha",
+                                                 "retrieval_window", "retrieval_min_tokens")},
+                "scoring": "every history token (no cluster narrowing)", "reference": "full attention, same run"}
+    import transformers
+    path = save(f"prefill_groups_{Path(a.model).name}", {"model": Path(a.model).name,
+                                                          "transformers": transformers.__version__,
+                                                          "settings": settings, "rows": rows})
+    print(f"wrote {path}")
+    plot(f"prefill_groups_{Path(a.model).name}", Path(a.model).name, rows, settings)
+
+
+def plot(name: str, model: str, rows: list[dict], settings: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot([r["rows_per_set"] for r in rows], [100 * r["top1_agreement"] for r in rows], marker="o",
+            label="retrieval at kvreel's defaults")
+    ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prefill rows per working set")
+    ax.set_ylabel("top-1 agreement with full attention (%)")
+    ax.set_title(f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks,\n"
+                 f"budget {settings['retrieval_budget_share']:g} of the history, alpha "
+                 f"{settings['retrieval_alpha']:g}; offline (transformers), 2-core x86 CPU, one run", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, name)
+
+
+if __name__ == "__main__":
+    main()
