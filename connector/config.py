@@ -178,8 +178,8 @@ SETTINGS: tuple[Setting, ...] = (
             "kvreel's vLLM plugin (vLLM's CPU backend).",
             _one_of("off", "resv", "mosaic")),
     Setting("RETRIEVAL_ALPHA", float, 0.9, "a number in (0, 1]",
-            "WiCSum ratio: per KV head, history slabs are kept in the order the step's queries score them until "
-            "every query row holds this share of its (bounded) attention mass, or the budget is reached.",
+            "WiCSum ratio: per KV head, history tokens are kept in the order the step's queries score them until "
+            "every query row holds this share of its attention mass, or the budget is reached.",
             lambda v: 0 < v <= 1),
     _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Requests with fewer computed tokens keep all their KV in vLLM "
                  "and attend fully; so does every position below this, for every request.", 0, 1 << 30),
