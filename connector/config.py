@@ -190,7 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Working set per long request and layer: at most this share of the history (sink block included) is "
             "attended to in one step, chosen anew for every step's queries; 1 with a token budget that holds "
             "the history keeps all of it (outputs identical to vLLM's).", lambda v: 0 < v <= 1),
-    _int_setting("RETRIEVAL_CANDIDATES", 2, "How many times the budget's tokens a step scores exactly with its "
+    _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a step scores exactly with its "
                  "queries. A history at least twice that long is narrowed first by its DRE clusters (ranked by "
                  "centroid), so a step's cost grows slower than the history; 0 scores every history token, every "
                  "step.", 0, 1024),

@@ -175,9 +175,9 @@ def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp
            "MODEL_DIR": str(readable_copy(tiny_model, tmp_path)),
            "STORE_PASSWORD": secrets.token_hex(16), "DRE_SECRET_HEX": secrets.token_hex(16),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "KVREEL_CPU_BYTES": "256MiB",
-           # retrieval for prompts past 512 tokens, predicted by the DRE's container
+           # retrieval for prompts past 512 tokens, narrowed by the DRE's container's clusters
            "KVREEL_RETRIEVAL": "resv", "KVREEL_RETRIEVAL_MIN_TOKENS": "512", "KVREEL_RETRIEVAL_WINDOW": "64",
-           "KVREEL_RETRIEVAL_BUDGET_TOKENS": "256"}
+           "KVREEL_RETRIEVAL_BUDGET_TOKENS": "256", "KVREEL_RETRIEVAL_CANDIDATES": "2"}
     compose = ["docker-compose", "-f", ROOT / "deploy" / "compose.yaml", "-p", PROJECT]
     try:
         t0 = time.monotonic()

@@ -66,9 +66,10 @@ def test_alpha_one_is_bit_identical_with_a_cache_smaller_than_the_session(tiny_m
 
 def test_small_budget_completes_survives_a_dre_kill_and_preemption(tiny_model, reference):
     # retrieval set only in kv_connector_extra_config: it must reach the attention layers as the env does
-    # (a higher threshold: sessions admitted together outgrow the cache before it)
+    # (a higher threshold: sessions admitted together outgrow the cache before it; candidates at 2x the
+    # budget, so the DRE's clusters narrow these histories and there is a DRE to kill)
     settings = {k.removeprefix("KVREEL_").lower(): v
-                for k, v in retrieval(alpha=0.5, budget_tokens=512, min_tokens=512).items()}
+                for k, v in retrieval(alpha=0.5, budget_tokens=512, min_tokens=512, candidates=2).items()}
     got = run_scenario({"model": tiny_model, **ENGINE, "num_blocks": SMALL, "max_num_seqs": 3,
                         "kvreel": {"cpu_bytes": "256MiB", **settings},
                         "phases": [
