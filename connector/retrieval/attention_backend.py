@@ -105,7 +105,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         no working set, so the few rows that ask for a needle are not outvoted by
         the rest; the resident pages are copied once, behind the slot's budget pages."""
         rt = self.runtime
-        bs, H, G = rt.block_size, self.num_kv_heads, self.num_heads // self.num_kv_heads
+        bs, H = rt.block_size, self.num_kv_heads
         start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
         hist = rt.histories[req_id]
         seq_len = int(meta.seq_lens[r])
@@ -116,8 +116,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         for a in range(start, end, rt.cfg.retrieval_rows_per_set):
             b = min(a + rt.cfg.retrieval_rows_per_set, end)
             q = query[a:b]
-            ws = rt.working_set(req_id, self.layer_index,
-                                q.reshape(b - a, H, G, -1).permute(1, 0, 2, 3).reshape(H, (b - a) * G, -1))
+            ws = rt.working_set(req_id, self.layer_index, self._by_kv_head(q))
             if a == start:
                 if first + n <= rt.slot_pages:
                     ws.buffer[first:first + n] = resident
@@ -143,7 +142,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         lets the kernel split the work exactly as it did for vLLM's own call, so
         those results are bit-identical to it."""
         rt = self.runtime
-        bs, H, G = rt.block_size, self.num_kv_heads, self.num_heads // self.num_kv_heads
+        bs, H = rt.block_size, self.num_kv_heads
         qsl = meta.query_start_loc.tolist()
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
         seq_lens = meta.seq_lens.clone()
@@ -152,8 +151,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         exact = True
         for r, req_id in long_rows.items():
             q = query[qsl[r]:qsl[r + 1]]
-            grouped = q.reshape(q.shape[0], H, G, -1).permute(1, 0, 2, 3).reshape(H, q.shape[0] * G, -1)
-            ws = rt.working_set(req_id, self.layer_index, grouped)
+            ws = rt.working_set(req_id, self.layer_index, self._by_kv_head(q))
             hist = rt.histories[req_id]
             seq_len = int(meta.seq_lens[r])
             resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()
@@ -191,6 +189,11 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         if out is not output:
             for r in long_rows:
                 output[qsl[r]:qsl[r + 1]] = out[qsl[r]:qsl[r + 1]]
+
+    def _by_kv_head(self, q: torch.Tensor) -> torch.Tensor:
+        """Query rows ``[R, heads, D]`` as ``[kv heads, R x heads per kv head, D]``: what selection scores."""
+        H = self.num_kv_heads
+        return q.reshape(q.shape[0], H, self.num_heads // H, -1).permute(1, 0, 2, 3).reshape(H, -1, q.shape[-1])
 
     def _metadata(self, layer, meta, query, qsl, seq_lens, block_table):
         return dataclasses.replace(

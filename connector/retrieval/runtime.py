@@ -50,7 +50,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
 from kvreel.connector.retrieval.history import RequestHistory
 from kvreel.connector.retrieval.page_packing import PagePacking
-from kvreel.connector.retrieval.selection import choose_tokens
+from kvreel.connector.retrieval.selection import choose_tokens, narrows
 from kvreel.connector.retrieval.working_set import WorkingSet
 from kvreel.connector.stats import KVReelStats, register_stats_source
 from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
@@ -208,8 +208,8 @@ class RetrievalRuntime:
         """Whether this request's history needs the DRE's clusters: they narrow it
         now, or will before it is twice as long (so they are ready in time)."""
         blocks = 2 * (hist.num_blocks + extra)
-        return (self.cfg.retrieval_candidates > 0 and not self.exact_for(hist, extra)
-                and 2 * self.cfg.retrieval_candidates * self.kept_tokens(blocks) <= (blocks - 1) * self.block_size)
+        return not self.exact_for(hist, extra) and narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks),
+                                                           (blocks - 1) * self.block_size)
 
     def kept_tokens(self, blocks: int) -> int:
         """History tokens a layer attends to beside the sink block, for a history of

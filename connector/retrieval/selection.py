@@ -47,6 +47,13 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     return top[:, :k]
 
 
+def narrows(candidates: int, count: int, tokens: int) -> bool:
+    """Whether the DRE's clusters narrow ``tokens`` history tokens (the sink block
+    aside) to ``candidates x count`` before scoring: only where that at least
+    halves them (narrowing less costs more than it saves)."""
+    return 0 < 2 * candidates * count <= tokens
+
+
 def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int) -> torch.Tensor:
     """The history tokens a layer's step attends to ``[H, bs + m]``: the sink block,
     then at most ``count`` tokens its queries ``[H, R, D]`` want most
@@ -54,9 +61,8 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     ``candidates x count`` the DRE's clusters rank best once the history is at
     least twice that long."""
     bs = lh.block_size
-    narrowed = candidates * count
-    if 0 < narrowed <= (lh.num_tokens - bs) // 2:         # narrowing less than half costs more than it saves
-        scored = lh.candidates(queries, narrowed)
+    if narrows(candidates, count, lh.num_tokens - bs):
+        scored = lh.candidates(queries, candidates * count)
         chosen = scored.gather(1, select_tokens(queries, rows_of(lh.keys, scored), alpha, count, bs))
     else:
         chosen = select_tokens(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs) + bs
