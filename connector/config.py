@@ -136,6 +136,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("REMOTE_TIMEOUT_S", float, 2.0, "a number of seconds in (0, 60]",
             "Connect/read timeout of remote-store calls; a dead store costs at most this, then recompute.",
             lambda v: 0 < v <= 60),
+    _int_setting("REMOTE_LOOKUP_WAIT_MS", 5, "Most milliseconds one scheduler step waits for remote-store "
+                 "lookups (all its new requests together) before it goes on without them (they are asked again "
+                 "next step). A store that answers within this costs a new request no step; a slow or dead "
+                 "one is not waited for until it answers in time again. 0: never wait.", 0, 1000),
     _int_setting("REMOTE_WRITE_QUEUE", 64, "Chunks waiting for the background remote uploader before new "
                  "uploads are dropped (never blocking the forward pass).", 1, 1 << 16),
     Setting("REMOTE_FORMS", _forms, (RAW, ZSTD), f"a comma list of {', '.join(FORM_KINDS)} that includes raw",

@@ -1,6 +1,7 @@
 """Remote-tier transport faults, through the loopback shaper in front of a real
 Redis: every one ends in a bounded time as a failed load (recompute), never a hang."""
 
+import socket
 import time
 
 import pytest
@@ -40,6 +41,38 @@ def test_write_behind_drains_on_close_and_round_trips(redis_server):
         time.sleep(0.01)
     assert found == [(KEY, row) for row in range(4)]
     lookups.close()
+
+
+def test_lookups_are_waited_for_a_bounded_time_per_scheduler_step(redis_server):
+    """A store that answers within the step's wait costs a new request no
+    scheduler step; a hung one costs one step at most the wait, and is not
+    waited for again until a lookup answers in time."""
+    _, port = redis_server
+    up = RemoteTier(url(port), StoredForms(ID), timeout_s=2, queue_size=8)
+    up.put(KEY, HASHES, payload())
+    up.close()
+    lookups = RemoteLookups(url(port), ID, timeout_s=2, wait_s=2.0)
+    lookups.new_step()
+    assert lookups.poll("r", HASHES) == [(KEY, row) for row in range(4)]       # answered in the same step
+    lookups.close()
+    with socket.socket() as hung:                        # accepts connections, never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        lookups = RemoteLookups(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", ID, timeout_s=1, wait_s=0.2)
+        lookups.new_step()
+        t0 = time.monotonic()
+        assert lookups.poll("a", HASHES) is None
+        assert lookups.poll("b", HASHES) is None         # the step's wait is spent
+        assert 0.2 <= time.monotonic() - t0 < 0.5
+        lookups.new_step()
+        t0 = time.monotonic()
+        assert lookups.poll("c", HASHES) is None         # a slow store is not waited for
+        assert time.monotonic() - t0 < 0.05
+        deadline = time.monotonic() + 10
+        while (found := lookups.poll("a", HASHES)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert found == [] and lookups.errors == 1       # the timed-out lookup: nothing held remotely
+        lookups.close()
 
 
 @pytest.mark.parametrize("fault", ["cut mid-chunk", "too slow for the timeout"])

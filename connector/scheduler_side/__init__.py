@@ -52,7 +52,8 @@ class KVReelScheduler:
         self.remote = None
         if cfg.remote_url:
             from kvreel.connector.tiers.remote import RemoteLookups
-            self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s)
+            self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s,
+                                        cfg.remote_lookup_wait_ms / 1000)
         self.history = None
         if cfg.retrieval != "off":
             from kvreel.connector.retrieval.history_plan import HistoryPlanner
@@ -122,6 +123,8 @@ class KVReelScheduler:
 
     def build_connector_meta(self, scheduler_output) -> KVReelMetadata:
         self.loads.begin_step(self.reqs)
+        if self.remote is not None:
+            self.remote.new_step()
         for new in scheduler_output.scheduled_new_reqs:
             st = self.reqs.get(new.req_id)
             if st is not None:

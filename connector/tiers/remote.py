@@ -22,7 +22,7 @@ import queue
 import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -49,15 +49,28 @@ class _Throttled:
 
 
 class RemoteLookups:
-    """Scheduler side: which leading blocks of a request the store holds."""
+    """Scheduler side: which leading blocks of a request the store holds.
 
-    def __init__(self, url: str, identity: str, timeout_s: float):
+    A lookup runs on a thread; the scheduler waits for answers at most
+    ``wait_s`` per step (all requests together), so a store that answers in
+    time costs a new request no scheduler step, and a slow or dead one costs a
+    step at most that. After a wait that ran out, nothing is waited for until a
+    lookup answers within ``wait_s`` again."""
+
+    def __init__(self, url: str, identity: str, timeout_s: float, wait_s: float = 0.0):
         self.keys = StoreKeys(identity)
         self.store = open_store(url, timeout_s=timeout_s)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvreel-remote-lookup")
         self._pending: dict[str, tuple[tuple[bytes, ...], Future]] = {}
         self._log = _Throttled()
         self.errors = 0
+        self.wait_s = wait_s
+        self._step_left = wait_s
+        self._in_time = True           # the last lookup answered within wait_s
+
+    def new_step(self) -> None:
+        """A scheduler step begins: its waiting budget is whole again."""
+        self._step_left = self.wait_s
 
     def poll(self, req_id: str, hashes: list[bytes]) -> list[tuple[bytes, int]] | None:
         """Pointers (chunk key, row) of the longest run of ``hashes`` held remotely,
@@ -70,9 +83,15 @@ class RemoteLookups:
         wanted = tuple(hashes)
         pending = self._pending.get(req_id)
         if pending is None or pending[0] != wanted:
-            self._pending[req_id] = (wanted, self._pool.submit(self._lookup, list(wanted)))
-            return None
+            pending = self._pending[req_id] = (wanted, self._pool.submit(self._timed_lookup, list(wanted)))
         fut = pending[1]
+        if not fut.done() and self._in_time and self._step_left > 0:
+            budget = self._step_left
+            t0 = time.monotonic()
+            wait([fut], timeout=budget)
+            self._step_left -= time.monotonic() - t0
+            if not fut.done() and budget >= self.wait_s:
+                self._in_time = False            # a whole wait ran out: the store is slow
         if not fut.done():
             return None
         del self._pending[req_id]
@@ -82,6 +101,14 @@ class RemoteLookups:
             self.errors += 1
             self._log.warn("kvreel: remote lookup failed (%s); serving from local tiers / recompute", e)
             return []
+
+    def _timed_lookup(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
+        t0 = time.monotonic()
+        try:
+            return self._lookup(hashes)
+        finally:
+            if time.monotonic() - t0 <= self.wait_s:
+                self._in_time = True
 
     def _lookup(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
         if not hashes:
