@@ -119,7 +119,7 @@ class LayerHistory:
         if not per_token.shape[1]:
             per_token = torch.zeros(self.heads, 1)
         rank = torch.where(labels >= 0, per_token.gather(1, labels.clamp_min(0)), math.inf)
-        return torch.topk(rank, count, dim=1).indices + self.block_size
+        return torch.topk(rank, count, dim=1, sorted=False).indices + self.block_size      # a set: unsorted
 
 
 class RequestHistory:

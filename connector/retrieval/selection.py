@@ -25,18 +25,17 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     k = min(count, keys.shape[1])
     if k <= 0:
         return torch.empty(H, 0, dtype=torch.int64, device=keys.device)
-    keys_t = keys.transpose(1, 2)
     q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
     best = torch.zeros(H, keys.shape[1], device=keys.device)
     totals = []
     for at in range(0, R, ROWS_AT_ONCE):           # a few rows at a time: the scores stay in the CPU's cache
-        logits = torch.bmm(q[:, at:at + ROWS_AT_ONCE], keys_t).float()
+        logits = _scores(keys, q[:, at:at + ROWS_AT_ONCE]).float()
         top_logit = logits.amax(-1, keepdim=True)
         share = logits.sub_(top_logit).exp_()
         total = share.sum(-1, keepdim=True)
         best = torch.maximum(best, share.div_(total).amax(1))
         totals.append(top_logit + total.log())
-    top = torch.topk(best, k, dim=1).indices                                 # [H, k], best first
+    top = _top(best, k)                                                      # [H, k], best first
     if alpha < 1:
         chosen = rows_of(keys, top).transpose(1, 2)
         need = 0
@@ -45,6 +44,24 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
             need = max(need, int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max()))
         k = min(k, max(unit, -(-need // unit) * unit))
     return top[:, :k]
+
+
+def _scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``q . k`` ``[H, r, n]`` for keys ``[H, n, D]`` and rows ``[H, r, D]``, one
+    matrix product per head: the history's keys are a slice of a larger buffer,
+    and ``bmm`` over such a slice copies every key first (2x slower for 64 K
+    keys on this CPU). A few rows (decoding) multiply ``q . k^T``; many (a
+    prefill chunk's), ``k . q^T`` (the faster order for each here)."""
+    if q.shape[1] <= 8:
+        return torch.stack([torch.mm(q[h], keys[h].T) for h in range(keys.shape[0])])
+    return torch.stack([torch.mm(keys[h], q[h].T) for h in range(keys.shape[0])]).transpose(1, 2)
+
+
+def _top(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries per row, largest first: an unsorted
+    ``topk`` then a sort of those ``k`` (a sorted ``topk`` sorts every entry on CPU)."""
+    values, index = torch.topk(score, k, dim=1, sorted=False)
+    return index.gather(1, values.argsort(dim=1, descending=True))
 
 
 def narrows(candidates: int, count: int, tokens: int) -> bool:

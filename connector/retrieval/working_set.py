@@ -40,16 +40,17 @@ class WorkingSet:
         """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
         pages, in any order: a token that stays keeps its place (a step's choice
         mostly repeats the last one), the others are written where they go."""
-        n = want.shape[1]
-        heads, slots, tokens = [], [], []
-        for h in range(want.shape[0]):
-            held = self.held[h, :n]
-            stays = torch.isin(held, want[h])
-            free = torch.nonzero(~stays).flatten()
-            heads.append(torch.full_like(free, h))
-            slots.append(free)
-            tokens.append(want[h][~torch.isin(want[h], held[stays])])
-        heads, slots, tokens = torch.cat(heads), torch.cat(slots), torch.cat(tokens)
+        H, n = want.shape
+        held = self.held[:, :n]
+        # membership by lookup in a mask over (head, token) ids: torch.isin sorts both sides
+        at = torch.arange(H).unsqueeze(1) * lh.num_tokens
+        wanted = torch.zeros(H * lh.num_tokens, dtype=torch.bool)
+        wanted[want + at] = True
+        stays = (held >= 0) & wanted[held.clamp_min(0) + at]
+        kept = torch.zeros_like(wanted)
+        kept[(held + at)[stays]] = True
+        heads, slots = torch.nonzero(~stays, as_tuple=True)           # per head, as many as its new tokens
+        tokens = want[~kept[want + at]]
         self._write(lh, heads, slots, tokens)
         self.held[heads, slots] = tokens
         self.held[:, n:] = -1
