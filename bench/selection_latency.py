@@ -9,11 +9,12 @@ tokens and clusters there are, not on what they say). The history goes
 through the served path: ``RetrievalRuntime.add_history`` (pages unpacked,
 keys sent to a DRE process the runtime starts itself, labels back), then
 ``RetrievalRuntime.working_set`` at the default budget (1/8 of the history, at
-most 4 096 tokens), timed for a decode step (one query token) and a prefill
-chunk (512). Per history length:
+most 4 096 tokens), timed for a decode step (one query token) and one
+group of a prefill chunk (64 tokens, ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a
+512-token chunk makes eight such choices per layer). Per history length:
 
-* ``served``: the default, ``KVREEL_RETRIEVAL_CANDIDATES=4`` (past 4x the
-  budget, the DRE's clusters narrow which tokens are scored exactly);
+* ``served``: the default ``KVREEL_RETRIEVAL_CANDIDATES`` (8: from twice 8x
+  the budget on, the DRE's clusters narrow which tokens are scored exactly);
 * ``every token``: ``KVREEL_RETRIEVAL_CANDIDATES=0``, every history token scored;
 * baseline in the same run: full attention of the same queries over the whole
   history (float32 SDPA), what a layer without retrieval computes;
@@ -35,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 
-H, G, D, BLOCK, CHUNK = 2, 3, 64, 128, 512
+H, G, D, BLOCK, CHUNK, GROUP = 2, 3, 64, 128, 512, 64
 
 
 def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,12 +48,16 @@ def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(0, 1).bfloat16(), torch.randn(T, H, D, generator=g).bfloat16()
 
 
-def runtime_for(method: str, candidates: int):
+def runtime_for(method: str, candidates: int | None):
+    """A retrieval runtime for one layer; ``candidates`` None: the default."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvreel.connector.config import KVReelConfig
     from kvreel.connector.retrieval.runtime import RetrievalRuntime
-    cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": method, "KVREEL_RETRIEVAL_CANDIDATES": str(candidates)})
+    env = {"KVREEL_RETRIEVAL": method}
+    if candidates is not None:
+        env["KVREEL_RETRIEVAL_CANDIDATES"] = str(candidates)
+    cfg = KVReelConfig.load(env=env)
     rt = RetrievalRuntime(cfg)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     rt.register_caches({"model.layers.0.self_attn.attn": torch.zeros(1, H, BLOCK, 2 * D, dtype=torch.bfloat16)},
@@ -77,15 +82,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     a = ap.parse_args()
     rows = []
-    runtimes = {"served": runtime_for(a.method, 4), "every token": runtime_for(a.method, 0)}
+    runtimes = {"served": runtime_for(a.method, None), "every token": runtime_for(a.method, 0)}
     for T in tqdm([int(t) for t in a.tokens.split(",")], desc="history lengths"):
         k, v = pages_for(T)
         packing = runtimes["served"].packing
         pages = torch.zeros(T // BLOCK, H, 2 * BLOCK, D, dtype=torch.bfloat16)
         packing.pack(k, v, pages, torch.arange(T))
         g = torch.Generator().manual_seed(T)
-        q_chunk = torch.randn(H, CHUNK * G, D, generator=g)
-        q_decode = q_chunk[:, :G]
+        q_group = torch.randn(H, GROUP * G, D, generator=g)
+        q_decode = q_group[:, :G]
         row = {"history_tokens": T}
         for name, rt in runtimes.items():
             req = f"T{T}"
@@ -108,27 +113,27 @@ def main() -> None:
                 row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
             row[f"{name}: narrowed by clusters"] = clustered and rt.cfg.retrieval_candidates * \
                 rt.kept_tokens(hist.num_blocks) < lh.num_tokens - BLOCK
-            for step, q in (("decode", q_decode), ("chunk", q_chunk)):
+            for step, q in (("decode", q_decode), ("group", q_group)):
                 row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
             row["kept_tokens"] = rt.working[req, 0].m * BLOCK
             rt.drop(req)
         keys = k.transpose(0, 1).float().unsqueeze(0)
         values = v.transpose(0, 1).float().unsqueeze(0)
-        for step, q in (("decode", q_decode), ("chunk", q_chunk)):
+        for step, q in (("decode", q_decode), ("group", q_group)):
             queries = q.reshape(H * G, -1, D).unsqueeze(0) if step == "decode" else \
-                q.view(H, CHUNK, G, D).permute(0, 2, 1, 3).reshape(1, H * G, CHUNK, D)
+                q.view(H, GROUP, G, D).permute(0, 2, 1, 3).reshape(1, H * G, GROUP, D)
             row[f"full attention {step} ms"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
                 queries, keys, values, enable_gqa=True), a.repeat)
         rows.append(row)
         print(row, flush=True)
     name = "selection_latency" + ("_mosaic" if a.method == "mosaic" else "")
     settings = {"method": a.method, "kv_heads": H, "query_heads_per_kv": G, "head_dim": D, "block_size": BLOCK,
-                "chunk": CHUNK, "repeat": a.repeat, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
+                "prefill_group_rows": GROUP, "repeat": a.repeat, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
                 "dre": "a process started by the runtime (one torch thread, nice 10), as served"}
     path = save(name, {"settings": settings, "rows": rows, "packing_isa": packing.isa})
     x = [r["history_tokens"] for r in rows]
     series = {f"{n} {s}": [r[f"{n} {s} ms"] for r in rows]
-              for s in ("decode", "chunk") for n in ("served", "every token", "full attention")}
+              for s in ("decode", "group") for n in ("served", "every token", "full attention")}
     plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
                f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
                f"2-core x86 CPU, median of {a.repeat})", logy=True)

@@ -97,6 +97,46 @@ def test_clusters_follow_the_labels_and_rank_the_candidates():
     assert sorted(fresh.candidates(q, 3 * BS)[1].tolist()) == list(range(3 * BS, 6 * BS))
 
 
+def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
+    """The cluster index takes whole clusters in rank order (the last one in
+    part): the same tokens as ranking every token by its cluster's share and
+    keeping the best ``count``; tokens labelled after it was built are always
+    candidates, and a relabelling regroups at once."""
+    import math
+    lh, k, v = history(blocks=24)
+    lh.append(pages_of(k, v), 0)
+    n = lh.num_tokens - BS
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 40, (H, n), generator=g)
+    lh.set_labels(BS, labels[:, :n - 3 * BS])                    # the newest three blocks not labelled yet
+    q = torch.randn(H, 4, D, generator=g)
+
+    def rank_of_every_token():
+        means = lh.sums / lh.counts.clamp_min(1).unsqueeze(-1)
+        share = torch.softmax(torch.bmm(q, means.transpose(1, 2)) * D ** -0.5
+                              + lh.counts.clamp_min(1).log().unsqueeze(1), -1).amax(1) / lh.counts.clamp_min(1)
+        lab = lh.labels[:, :n]
+        return torch.where(lab >= 0, share.gather(1, lab.clamp_min(0)), math.inf)
+
+    def check_top(cand, count):
+        rank = rank_of_every_token()
+        for h in range(H):
+            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen[cand[h] - BS] = True
+            assert int(chosen.sum()) == count == cand.shape[1]
+            assert float(rank[h][chosen].min()) >= float(rank[h][~chosen].max())
+
+    for count in (3 * BS, 7 * BS + 5, n - 3 * BS):
+        check_top(lh.candidates(q, count), count)
+    built = lh._index
+    lh.set_labels(n - 2 * BS, labels[:, n - 3 * BS:n - 2 * BS])    # a block labelled since: still a candidate
+    cand = lh.candidates(q, 8 * BS)
+    assert lh._index is built and all(set(range(n - 2 * BS, n + BS)) <= set(cand[h].tolist()) for h in range(H))
+    lh.set_labels(BS, (labels + 1) % 41)                         # every label anew (a Mosaic split)
+    check_top(lh.candidates(q, 8 * BS), 8 * BS)
+    assert lh._index is not built
+
+
 def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():
     """Per-query selection: in a prefill chunk of 100 rows, one row (a question)
     looks for token 300; the other 99 spread their attention over tokens 0-63.

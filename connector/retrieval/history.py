@@ -27,7 +27,38 @@ def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     ``index`` ``[H, n]``. Row copies (``index_select``) rather than ``torch.gather``
     with an expanded index, which on CPU copies element by element: 25x slower
     for 16 K keys of 64 channels on this machine, and most of a decode step."""
-    return torch.stack([x[h].index_select(0, index[h]) for h in range(x.shape[0])])
+    out = torch.empty(*index.shape, x.shape[2], dtype=x.dtype, device=x.device)
+    for h in range(x.shape[0]):
+        torch.index_select(x[h], 0, index[h], out=out[h])          # in place: no second copy to stack them
+    return out
+
+
+class ClusterIndex:
+    """Per head, the history's tokens grouped by cluster, as the DRE's labels
+    stood when it was built: ``order`` lists the unlabelled tokens, then
+    cluster 0's, cluster 1's... (positions after the sink block), and each
+    cluster's run in it. A step takes the tokens of its best clusters in
+    O(clusters + candidates), where ranking every token by its cluster costs a
+    pass (and a top-k) over the whole history."""
+
+    def __init__(self, labels: torch.Tensor):
+        self.built = labels.shape[1]                                       # tokens it covers
+        self.order = torch.argsort(labels, dim=1, stable=True)
+        self.unlabelled = (labels < 0).sum(1)                              # [H]: the first of ``order``
+        clusters = int(labels.max()) + 1 if labels.numel() else 0
+        self.sizes = torch.zeros(labels.shape[0], max(clusters, 1), dtype=torch.int64).scatter_add_(
+            1, labels.clamp_min(0), (labels >= 0).long())[:, :clusters]
+        self.starts = self.unlabelled.unsqueeze(1) + self.sizes.cumsum(1) - self.sizes
+
+    def best(self, h: int, ranked: torch.Tensor, need: int) -> torch.Tensor:
+        """The first ``need`` tokens of head ``h``'s clusters taken in the order ``ranked``."""
+        sizes = self.sizes[h, ranked]
+        ends = sizes.cumsum(0)
+        taken = int(torch.searchsorted(ends, need)) + 1
+        run = torch.repeat_interleave(torch.arange(taken), torch.minimum(ends[:taken], torch.tensor(need))
+                                      - (ends[:taken] - sizes[:taken]))
+        within = torch.arange(need) - (ends - sizes)[run]
+        return self.order[h, self.starts[h, ranked[:taken]][run] + within]
 
 
 class LayerHistory:
@@ -42,6 +73,8 @@ class LayerHistory:
         self.labels = torch.empty(heads, 0, dtype=torch.int64)        # per token after the sink; -1: unlabelled
         self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32)
         self.counts = torch.zeros(heads, 0)                           # and size
+        self._index: ClusterIndex | None = None
+        self._labelled_since = 0                                      # tokens labelled since it was built
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +118,9 @@ class LayerHistory:
         end = start + labels.shape[1]
         relabel = bool((self.labels[:, start:end] >= 0).any())
         self.labels[:, start:end] = labels
+        if relabel:
+            self._index = None                        # clusters' members moved: regroup
+        self._labelled_since += end - start
         clusters = int(labels.max()) + 1 if labels.numel() else 0
         if clusters > self.sums.shape[1]:
             grow = clusters - self.sums.shape[1]
@@ -105,21 +141,38 @@ class LayerHistory:
         """Per head, ``count`` history tokens after the sink block ``[H, count]``
         (token ids) whose clusters the query rows ``[H, R, D]`` rank best: every
         row spreads its mass over the clusters (softmax of ``q . centroid / sqrt D
-        + log size``), and a token ranks by the largest per-token share any row
-        gives its cluster. Every unlabelled token is a candidate (more than
-        ``count`` of them: all of them)."""
+        + log size``), and a cluster ranks by the largest per-token share any row
+        gives it. Tokens the cluster index does not group yet (unlabelled, or
+        labelled since it was built) are always candidates (more than ``count``
+        of them: all of them)."""
         scale = self.head_dim ** -0.5
         live = self.counts > 0
         means = self.sums / self.counts.clamp_min(1).unsqueeze(-1)
         scores = torch.bmm(queries.float(), means.transpose(1, 2)) * scale + self.counts.clamp_min(1).log().unsqueeze(1)
         share = torch.softmax(scores.masked_fill(~live.unsqueeze(1), -math.inf), dim=-1)
-        per_token = (share.amax(1) / self.counts.clamp_min(1))                         # [H, C]
-        labels = self.labels[:, :self.num_tokens - self.block_size]
-        count = min(labels.shape[1], max(count, int((labels < 0).sum(1).max())))      # every unlabelled one
-        if not per_token.shape[1]:
-            per_token = torch.zeros(self.heads, 1)
-        rank = torch.where(labels >= 0, per_token.gather(1, labels.clamp_min(0)), math.inf)
-        return torch.topk(rank, count, dim=1, sorted=False).indices + self.block_size      # a set: unsorted
+        per_token = share.amax(1) / self.counts.clamp_min(1)                           # [H, C]
+        n = self.num_tokens - self.block_size
+        index = self._cluster_index(count)
+        always = index.unlabelled + (n - index.built)
+        count = min(n, max(count, int(always.max())))
+        ranked = torch.argsort(per_token[:, :index.sizes.shape[1]], dim=1, descending=True)
+        out = torch.empty(self.heads, count, dtype=torch.int64)
+        for h in range(self.heads):
+            u, a = int(index.unlabelled[h]), int(always[h])
+            out[h, :u] = index.order[h, :u]
+            out[h, u:a] = torch.arange(index.built, n)
+            if count > a:
+                out[h, a:] = index.best(h, ranked[h], count - a)
+        return out + self.block_size
+
+    def _cluster_index(self, count: int) -> ClusterIndex:
+        """The cluster index, rebuilt when labels moved (a Mosaic split) or once
+        the tokens labelled since it was built are a quarter of a step's candidates
+        (until then they are candidates anyway)."""
+        if self._index is None or 4 * self._labelled_since > count:
+            self._index = ClusterIndex(self.labels[:, :self.num_tokens - self.block_size])
+            self._labelled_since = 0
+        return self._index
 
 
 class RequestHistory:

@@ -27,12 +27,12 @@ Which tokens are scored: all of them, exactly, while the history is less
 than twice ``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
 clusters narrow them first: every cluster is ranked by its centroid and only
 the tokens of the best ones (that many times the budget) are scored exactly
-(``LayerHistory.candidates``), so a step scores a bounded number of tokens
-(ranking them by their clusters' scores still reads one label per token). The
-DRE does the clustering, off the critical path (ReSV's hash bits, or Mosaic's
-nested k-means with online assignment and splits); tokens
-it has not labelled yet are always candidates, so a DRE that is late or down
-costs time, never a stale choice (steps taken while it is gone count as
+(``LayerHistory.candidates``, through a per-head index of each cluster's
+tokens), so a step scores a bounded number of tokens and ranks clusters, not
+tokens. The DRE does the clustering, off the critical path (ReSV's hash bits,
+or Mosaic's nested k-means with online assignment and splits); tokens it has
+not labelled yet are always candidates, so a DRE that is late or down costs
+time, never a stale choice (steps taken while it is gone count as
 ``dre_down``).
 
 Threads: histories and working sets belong to the thread that runs the model
