@@ -26,22 +26,27 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     if k <= 0:
         return torch.empty(H, 0, dtype=torch.int64, device=keys.device)
     q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
-    best = torch.zeros(H, keys.shape[1], device=keys.device)
+    best = None
     totals = []
     for at in range(0, R, ROWS_AT_ONCE):           # a few rows at a time: the scores stay in the CPU's cache
         logits = _scores(keys, q[:, at:at + ROWS_AT_ONCE]).float()
         top_logit = logits.amax(-1, keepdim=True)
         share = logits.sub_(top_logit).exp_()
         total = share.sum(-1, keepdim=True)
-        best = torch.maximum(best, share.div_(total).amax(1))
+        rows_best = share.div_(total).amax(1)
+        best = rows_best if best is None else torch.maximum(best, rows_best)
         totals.append(top_logit + total.log())
     top = _top(best, k)                                                      # [H, k], best first
     if alpha < 1:
-        chosen = rows_of(keys, top).transpose(1, 2)
-        need = 0
-        for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
-            taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()   # shares, best first
-            need = max(need, int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max()))
+        if R <= ROWS_AT_ONCE:                      # one pass held every row's shares (decoding): read them
+            taken = share.gather(2, top.unsqueeze(1).expand(H, R, k))
+            need = int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max())
+        else:
+            chosen = rows_of(keys, top).transpose(1, 2)
+            need = 0
+            for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
+                taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()  # shares, best first
+                need = max(need, int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max()))
         k = min(k, max(unit, -(-need // unit) * unit))
     return top[:, :k]
 
