@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import python_source_corpus, save, save_figure  # noqa: E402
 
 from kvreel.connector.config import KVReelConfig  # noqa: E402
-from kvreel.connector.retrieval.selection import select_tokens  # noqa: E402
+from kvreel.connector.retrieval.selection import kept_tokens, select_tokens  # noqa: E402
 
 BLOCK = 32
 
@@ -39,10 +39,6 @@ class RetrievalMask:
         self.original, self.cfg, self.tokens, self.chunk = original, cfg, tokens, chunk
         self.group: int | None = None          # None: full attention
         self.read = [0, 0]                     # history tokens attended to / history tokens, summed
-
-    def kept(self, blocks: int) -> int:
-        pages = min(math.ceil(self.cfg.retrieval_budget_share * blocks), self.cfg.retrieval_budget_tokens // BLOCK)
-        return (max(2, pages) - 1) * BLOCK
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
         if self.group is None:
@@ -58,7 +54,8 @@ class RetrievalMask:
             allowed = torch.ones(q.shape[0], e - s, e, dtype=torch.bool).tril(s)
             if s >= self.cfg.retrieval_min_tokens:
                 history = (s - self.cfg.retrieval_window) // BLOCK * BLOCK
-                count = self.kept(history // BLOCK)
+                count = kept_tokens(self.cfg.retrieval_budget_share, self.cfg.retrieval_budget_tokens, BLOCK,
+                                    history // BLOCK)
                 for a in range(s, e, self.group):
                     b = min(a + self.group, e)
                     rows = q[:, a:b].reshape(heads, per_head * (b - a), -1)

@@ -41,7 +41,6 @@ Threads: histories and working sets belong to the thread that runs the model
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -50,7 +49,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
 from kvreel.connector.retrieval.history import RequestHistory
 from kvreel.connector.retrieval.page_packing import PagePacking
-from kvreel.connector.retrieval.selection import choose_tokens, narrows
+from kvreel.connector.retrieval.selection import choose_tokens, kept_tokens, narrows
 from kvreel.connector.retrieval.working_set import WorkingSet
 from kvreel.connector.stats import KVReelStats, register_stats_source
 from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
@@ -212,10 +211,8 @@ class RetrievalRuntime:
                                                            (blocks - 1) * self.block_size)
 
     def kept_tokens(self, blocks: int) -> int:
-        """History tokens a layer attends to beside the sink block, for a history of
-        ``blocks`` blocks: the budget's share of it, at most its tokens."""
-        pages = min(math.ceil(self.cfg.retrieval_budget_share * blocks), self.budget_pages)
-        return (max(2, pages) - 1) * self.block_size
+        """History tokens a layer attends to beside the sink block, for a history of ``blocks`` blocks."""
+        return kept_tokens(self.cfg.retrieval_budget_share, self.cfg.retrieval_budget_tokens, self.block_size, blocks)
 
     # -- attention ----------------------------------------------------------------------
     def working_set(self, req_id: str, layer: int, queries: torch.Tensor) -> WorkingSet:

@@ -3,6 +3,8 @@ own queries want most, chosen per query row."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvreel.connector.retrieval.history import LayerHistory, rows_of
@@ -39,16 +41,21 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     top = _top(best, k)                                                      # [H, k], best first
     if alpha < 1:
         if R <= ROWS_AT_ONCE:                      # one pass held every row's shares (decoding): read them
-            taken = share.gather(2, top.unsqueeze(1).expand(H, R, k))
-            need = int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max())
+            need = _tokens_for_alpha(share.gather(2, top.unsqueeze(1).expand(H, R, k)), alpha)
         else:
             chosen = rows_of(keys, top).transpose(1, 2)
             need = 0
             for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
                 taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()  # shares, best first
-                need = max(need, int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max()))
+                need = max(need, _tokens_for_alpha(taken, alpha))
         k = min(k, max(unit, -(-need // unit) * unit))
     return top[:, :k]
+
+
+def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
+    """How many of the tokens (shares ``[H, r, k]``, best first) every row needs to
+    hold ``alpha`` of its mass (WiCSum)."""
+    return int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max())
 
 
 def _scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -67,6 +74,14 @@ def _top(score: torch.Tensor, k: int) -> torch.Tensor:
     ``topk`` then a sort of those ``k`` (a sorted ``topk`` sorts every entry on CPU)."""
     values, index = torch.topk(score, k, dim=1, sorted=False)
     return index.gather(1, values.argsort(dim=1, descending=True))
+
+
+def kept_tokens(share: float, budget_tokens: int, block_size: int, blocks: int) -> int:
+    """History tokens a layer attends to beside the sink block, for a history of
+    ``blocks`` blocks: ``share`` of it in whole pages, at most ``budget_tokens``'
+    pages, at least one page."""
+    pages = min(math.ceil(share * blocks), max(2, budget_tokens // block_size))
+    return (max(2, pages) - 1) * block_size
 
 
 def narrows(candidates: int, count: int, tokens: int) -> bool:
