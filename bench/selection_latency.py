@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
+from kvreel.connector.retrieval.selection import narrows  # noqa: E402
 
 H, G, D, BLOCK, CHUNK, GROUP = 2, 3, 64, 128, 512, 64
 
@@ -111,8 +112,8 @@ def main() -> None:
                 rt.dre.take_labels(rt.histories)
             if clustered and name == "served":
                 row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
-            row[f"{name}: narrowed by clusters"] = clustered and rt.cfg.retrieval_candidates * \
-                rt.kept_tokens(hist.num_blocks) < lh.num_tokens - BLOCK
+            row[f"{name}: narrowed by clusters"] = narrows(rt.cfg.retrieval_candidates, rt.kept_tokens(hist.num_blocks),
+                                                           lh.num_tokens - BLOCK)      # the rule choose_tokens applies
             for step, q in (("decode", q_decode), ("group", q_group)):
                 row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
             row["kept_tokens"] = rt.working[req, 0].m * BLOCK
