@@ -217,7 +217,9 @@ def package_versions() -> dict:
 
 
 def commit() -> str:
-    """The checkout's commit ("+changes" when the package or benchmarks differ from it)."""
+    """The checkout's commit ("+changes" when the package or benchmarks differ from
+    it), as it was when the benchmark started (``STARTED_AT``: a long run's files
+    may be edited before it ends)."""
     import subprocess
     root = Path(__file__).parents[1]
     try:
@@ -228,6 +230,9 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
+
+
+STARTED_AT = commit()
 
 
 def retrieval_counters() -> dict[str, float]:
@@ -287,7 +292,7 @@ def engine_or_main(engine_main, main) -> None:
 def save(name: str, payload: dict) -> Path:
     """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)
-    payload = {"benchmark": name, "commit": commit(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    payload = {"benchmark": name, "commit": STARTED_AT, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "machine": machine(), **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))

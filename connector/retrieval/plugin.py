@@ -35,35 +35,58 @@ def register() -> None:
     register_cpu_attention("kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
 
 
+def transfer_config(argv: list[str]) -> dict | None:
+    """The ``--kv-transfer-config`` a command line gives (its last, as vLLM's
+    parser takes it), parsed; None when it gives none. ValueError when it is
+    not a JSON object."""
+    import json
+    text = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--kv-transfer-config="):
+            text = arg.partition("=")[2]
+        elif arg == "--kv-transfer-config" and i + 1 < len(argv):
+            text = argv[i + 1]
+    if text is None:
+        return None
+    try:
+        transfer = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--kv-transfer-config is not JSON ({e})") from None
+    if not isinstance(transfer, dict):
+        raise ValueError("--kv-transfer-config is not a JSON object")
+    return transfer
+
+
+def settings_problem(transfer: dict) -> str | None:
+    """What stops kvreel's connector with this transfer config here: a bad
+    ``KVREEL_*`` value (environment, then ``kv_connector_extra_config``) or an
+    unsupported vLLM; None when nothing does. Imports no part of vLLM."""
+    from kvreel.connector.config import ConfigError, KVReelConfig
+    from kvreel.connector.vllm_internals import version_problem
+    try:
+        KVReelConfig.load(overrides=transfer.get("kv_connector_extra_config") or {})
+    except ConfigError as e:
+        return str(e)
+    return version_problem()
+
+
 def check_command_line(argv: list[str] | None = None) -> None:
     """A server started with kvreel's connector on its command line (``vllm serve
     ... --kv-transfer-config '{"kv_connector":"KVReelConnector",...}'``) stops
     here, before vLLM loads anything, with one line naming a bad ``KVREEL_*``
     value or an unsupported vLLM (vLLM loads its plugins while it builds its
-    argument parser)."""
-    import json
+    argument parser; ``kvreel serve`` checks the same before vLLM is imported)."""
     import sys
-
-    from kvreel.connector.config import ConfigError, KVReelConfig
-    from kvreel.connector.vllm_internals import version_problem
-    argv = sys.argv if argv is None else argv
-    for i, arg in enumerate(argv):
-        text = arg.partition("=")[2] if arg.startswith("--kv-transfer-config=") else \
-            argv[i + 1] if arg == "--kv-transfer-config" and i + 1 < len(argv) else None
-        try:
-            transfer = json.loads(text) if text else None
-        except ValueError:
-            continue                                    # vLLM says what is wrong with it
-        if not isinstance(transfer, dict) or transfer.get("kv_connector") != CONNECTOR:
-            continue
-        try:
-            KVReelConfig.load(overrides=transfer.get("kv_connector_extra_config") or {})
-            problem = version_problem()
-        except ConfigError as e:
-            problem = str(e)
-        if problem:
-            print(f"kvreel: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+    try:
+        transfer = transfer_config(sys.argv if argv is None else argv)
+    except ValueError:
+        return                                          # vLLM says what is wrong with it
+    if transfer is None or transfer.get("kv_connector") != CONNECTOR:
+        return
+    problem = settings_problem(transfer)
+    if problem:
+        print(f"kvreel: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def engine_settings(vllm_config):
