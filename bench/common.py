@@ -15,9 +15,21 @@ RESULTS = Path(__file__).parent / "results"
 # KV connector is attached (meant for NIXL); on a 2-core host that second core
 # leaves none to keep, so vLLM runs an engine with any connector on every core
 # and one without on one. Every benchmarked engine keeps the same one core back,
-# so configurations differ only in what they compare (set here, for every engine a
-# benchmark starts, in its process or a child; the shell may choose another split).
-EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+# so configurations differ only in what they compare (``engine_env``; the shell may
+# choose another split).
+EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def engine_env(env: dict | None = None) -> dict[str, str]:
+    """The environment of a benchmarked engine: this one, the equal CPU split
+    unless the shell set its own, and ``env`` over both."""
+    return {**EQUAL_CPU_SPLIT, **os.environ, **(env or {})}
+
+
+def equal_cpu_split() -> None:
+    """For a benchmark that builds its engines in its own process (``LLM(...)``)."""
+    for name, value in EQUAL_CPU_SPLIT.items():
+        os.environ.setdefault(name, value)
 
 
 def python_source_corpus(min_chars: int) -> str:
@@ -184,7 +196,7 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=engine_env(env), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     failed = wait_healthy(proc, base, timeout)
@@ -197,7 +209,7 @@ def machine() -> dict:
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "vllm_engine_env": EQUAL_CPU_SPLIT}
+            "vllm_engine_env": {k: engine_env()[k] for k in EQUAL_CPU_SPLIT}}
     return {**info, **package_versions()}
 
 
@@ -266,7 +278,7 @@ def engine_in_subprocess(script: str, args: dict, env: dict, timeout: float) -> 
     process, kvreel's settings only from ``env``) and return what it printed
     with ``report``; ``{"error": output tail}`` when it printed nothing."""
     import subprocess
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
+    full_env = {k: v for k, v in engine_env().items() if not k.startswith("KVREEL_")}
     full_env.update(env)
     out = subprocess.run([sys.executable, script, "--engine", json.dumps(args)], env=full_env,
                          capture_output=True, text=True, timeout=timeout)

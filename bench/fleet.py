@@ -33,7 +33,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cluster_master, free_port, save, start_redis_cluster, stop_all, zmq_relay  # noqa: E402
+from common import (cluster_master, engine_env, free_port, save, start_redis_cluster, stop_all,  # noqa: E402
+                    zmq_relay)
 from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
 
@@ -61,7 +62,7 @@ class Fleet:
             raise
 
     def _start(self, kvreel: bool, policy: str, a, work: Path) -> None:
-        env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = engine_env({"PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
         env = {k: v for k, v in env.items() if not k.startswith("KVREEL_")}
         if kvreel:
             self.cluster = start_redis_cluster(work / "cluster", masters=3, replicas=self.replicas)

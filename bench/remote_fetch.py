@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import plot_lines, python_source_corpus, save, save_figure, start_redis  # noqa: E402
+from common import equal_cpu_split, plot_lines, python_source_corpus, save, save_figure, start_redis  # noqa: E402
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--short-tokens", type=int, default=16)
     ap.add_argument("--parts", default="reuse,trace,interference")
     a = ap.parse_args()
+    equal_cpu_split()
     parts = set(a.parts.split(","))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, save  # noqa: E402
+from common import equal_cpu_split, python_source_corpus, save  # noqa: E402
 from soak import soak_prompt  # noqa: E402
 
 
@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--prompts", type=int, nargs="+", default=[29, 42])
     ap.add_argument("--max-tokens", type=int, default=12)
     a = ap.parse_args()
+    equal_cpu_split()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import plot_lines, python_source_corpus, save  # noqa: E402
+from common import equal_cpu_split, plot_lines, python_source_corpus, save  # noqa: E402
 
 CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
              "kv_role": "kv_both"}
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048,3072,4096")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    equal_cpu_split()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.model)
