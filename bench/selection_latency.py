@@ -16,6 +16,8 @@ group of a prefill chunk (64 tokens, ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a
 * ``served``: the default ``KVREEL_RETRIEVAL_CANDIDATES`` (8: from twice 8x
   the budget on, the DRE's clusters narrow which tokens are scored exactly);
 * ``every token``: ``KVREEL_RETRIEVAL_CANDIDATES=0``, every history token scored;
+* ``pages xN``: ``KVREEL_RETRIEVAL_NARROWING=pages`` with ``N`` candidates
+  (``--page-candidates``, 2): blocks ranked by their keys' bounds, no DRE;
 * baseline in the same run: full attention of the same queries over the whole
   history (float32 SDPA), what a layer without retrieval computes;
 * ``extend``: the DRE labelling one new block, off the critical path (its
@@ -49,8 +51,8 @@ def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(0, 1).bfloat16(), torch.randn(T, H, D, generator=g).bfloat16()
 
 
-def runtime_for(method: str, candidates: int | None):
-    """A retrieval runtime for one layer; ``candidates`` None: the default."""
+def runtime_for(method: str, candidates: int | None, narrowing: str | None = None):
+    """A retrieval runtime for one layer; ``candidates``, ``narrowing`` None: the defaults."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvreel.connector.config import KVReelConfig
@@ -58,6 +60,8 @@ def runtime_for(method: str, candidates: int | None):
     env = {"KVREEL_RETRIEVAL": method}
     if candidates is not None:
         env["KVREEL_RETRIEVAL_CANDIDATES"] = str(candidates)
+    if narrowing is not None:
+        env["KVREEL_RETRIEVAL_NARROWING"] = narrowing
     cfg = KVReelConfig.load(env=env)
     rt = RetrievalRuntime(cfg)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
@@ -81,9 +85,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--method", default="resv", choices=("resv", "mosaic"))
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--page-candidates", type=int, default=2,
+                    help="KVREEL_RETRIEVAL_CANDIDATES of the KVREEL_RETRIEVAL_NARROWING=pages runtime")
     a = ap.parse_args()
     rows = []
-    runtimes = {"served": runtime_for(a.method, None), "every token": runtime_for(a.method, 0)}
+    runtimes = {"served": runtime_for(a.method, None), "every token": runtime_for(a.method, 0),
+                f"pages x{a.page_candidates}": runtime_for(a.method, a.page_candidates, "pages")}
     for T in tqdm([int(t) for t in a.tokens.split(",")], desc="history lengths"):
         k, v = pages_for(T)
         packing = runtimes["served"].packing
@@ -112,7 +119,7 @@ def main() -> None:
                 rt.dre.take_labels(rt.histories)
             if clustered and name == "served":
                 row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
-            row[f"{name}: narrowed by clusters"] = narrows(rt.cfg.retrieval_candidates, rt.kept_tokens(hist.num_blocks),
+            row[f"{name}: narrowed"] = narrows(rt.cfg.retrieval_candidates, rt.kept_tokens(hist.num_blocks),
                                                            lh.num_tokens - BLOCK)      # the rule choose_tokens applies
             for step, q in (("decode", q_decode), ("group", q_group)):
                 row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
@@ -134,7 +141,7 @@ def main() -> None:
     path = save(name, {"settings": settings, "rows": rows, "packing_isa": packing.isa})
     x = [r["history_tokens"] for r in rows]
     series = {f"{n} {s}": [r[f"{n} {s} ms"] for r in rows]
-              for s in ("decode", "group") for n in ("served", "every token", "full attention")}
+              for s in ("decode", "group") for n in (*runtimes, "full attention")}
     plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
                f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
                f"2-core x86 CPU, median of {a.repeat})", logy=True)

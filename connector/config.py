@@ -198,6 +198,12 @@ SETTINGS: tuple[Setting, ...] = (
                  "queries. A history at least twice that long is narrowed first by its DRE clusters (ranked by "
                  "centroid), so a step's cost grows slower than the history; 0 scores every history token, every "
                  "step.", 0, 1024),
+    Setting("RETRIEVAL_NARROWING", str, "clusters", "clusters or pages",
+            "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before its "
+            "tokens are scored: clusters (the DRE's, ranked by centroid; the DRE runs beside the engine) or "
+            "pages (every block ranked by the most its keys could score with the step's queries, from their "
+            "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
+            _one_of("clusters", "pages")),
     _int_setting("RETRIEVAL_ROWS_PER_SET", 64, "A long request's query rows (a prefill chunk's tokens) that share "
                  "one working set: a chunk's rows are attended to in groups this size, each with the history its "
                  "own queries select, so a question inside a chunk finds its needle. Smaller: closer to per-token "

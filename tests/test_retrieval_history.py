@@ -159,6 +159,40 @@ def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():
     assert select_tokens(queries, keys, alpha=1.0, count=256, unit=BS).shape == (H, 256)     # the budget caps
 
 
+def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
+    """Each block's channel-wise key bounds (Quest): its bound for a query is at
+    least every one of its keys' scores; with 40 blocks narrowed to 2 (one
+    wanted by one row of a chunk whose other rows want block 3), both wanted
+    blocks are candidates, and choose_tokens keeps the needle. Appended in
+    pieces, the bounds are those of the whole history."""
+    from kvreel.connector.retrieval.selection import choose_tokens
+    lh, k, v = history(blocks=40, seed=3)
+    needle, common = 17 * BS + 5, 3 * BS + 1
+    k[[needle, common]] = (k[[needle, common]].float() * 4).bfloat16()
+    pages = pages_of(k, v)
+    lh.append(pages[:7], 0)
+    lh.append(pages[7:], 7)
+    keys = k.transpose(0, 1).float()                                       # [H, T, D]
+    assert torch.equal(lh.page_max[:, :40], keys.view(H, 40, BS, D).amax(2))
+    assert torch.equal(lh.page_min[:, :40], keys.view(H, 40, BS, D).amin(2))
+    g = torch.Generator().manual_seed(4)
+    queries = torch.randn(H, 24, D, generator=g)
+    queries[:, :23] = keys[:, common:common + 1] * 3                       # 23 rows want a token of block 3
+    queries[:, 23] = keys[:, needle] * 3                                   # one row wants the needle
+    q = queries * D ** -0.5
+    bound = torch.bmm(q.clamp_min(0), lh.page_max[:, :40].transpose(1, 2)) + \
+        torch.bmm(q.clamp_max(0), lh.page_min[:, :40].transpose(1, 2))
+    scores = torch.bmm(q, keys.transpose(1, 2)).view(H, 24, 40, BS).amax(-1)
+    assert bool((bound >= scores - 1e-4).all())
+    picked = lh.page_candidates(queries, 2 * BS)
+    assert picked.shape == (H, 2 * BS) and int(picked.min()) >= BS        # never the sink block
+    for h in range(H):
+        assert {3, 17} == set((picked[h] // BS).tolist())
+    kept = choose_tokens(lh, queries, alpha=0.9, count=BS, candidates=2, narrowing="pages")
+    assert bool((kept[:, :BS] == torch.arange(BS)).all())                 # the sink block first
+    assert all(needle in row for row in kept.tolist())
+
+
 def test_the_manager_frees_only_what_kvreel_holds_outside_the_window():
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.kv_cache_interface import FullAttentionSpec

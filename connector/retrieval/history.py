@@ -11,7 +11,9 @@ The DRE labels every token after the sink block with its cluster (ReSV's hash
 bits or Mosaic's semantic clusters); the history keeps each cluster's key sum
 and size per head, so a step can rank clusters by ``q . centroid`` and score
 exactly only the tokens of the best ones (``candidates``). Tokens the DRE has
-not labelled yet are always candidates."""
+not labelled yet are always candidates. It also keeps every block's
+channel-wise key bounds (Quest's page bounds), so a step can instead rank
+blocks by the most any of their keys could score (``page_candidates``)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class LayerHistory:
         self.counts = torch.zeros(heads, 0)                           # and size
         self._index: ClusterIndex | None = None
         self._labelled_since = 0                                      # tokens labelled since it was built
+        self.page_max = torch.empty(heads, 0, head_dim)               # per block: channel-wise key max (float32)
+        self.page_min = torch.empty(heads, 0, head_dim)               # and min
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +94,10 @@ class LayerHistory:
         self._reserve(self.num_tokens + n)
         self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
         self.values[:, self.num_tokens:self.num_tokens + n] = v.transpose(0, 1)
+        blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
+        first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
+        self.page_max[:, first:last] = blocks.amax(1).transpose(0, 1)
+        self.page_min[:, first:last] = blocks.amin(1).transpose(0, 1)
         self.num_tokens += n
         self.labels = torch.cat([self.labels, torch.full((self.heads, n), -1, dtype=torch.int64)], 1)
         if first_block == 0:
@@ -102,9 +110,12 @@ class LayerHistory:
         if tokens <= cap:
             return
         new_cap = max(tokens, 2 * cap, 16 * self.block_size)
-        for name in ("keys", "values"):
-            grown = torch.empty(self.heads, new_cap, self.head_dim, dtype=self.dtype)
-            grown[:, :self.num_tokens] = getattr(self, name)[:, :self.num_tokens]
+        for name, size, used in (("keys", new_cap, self.num_tokens), ("values", new_cap, self.num_tokens),
+                                 ("page_max", new_cap // self.block_size, self.num_tokens // self.block_size),
+                                 ("page_min", new_cap // self.block_size, self.num_tokens // self.block_size)):
+            old = getattr(self, name)
+            grown = torch.empty(self.heads, size, self.head_dim, dtype=old.dtype)
+            grown[:, :used] = old[:, :used]
             setattr(self, name, grown)
 
     def dre_keys(self) -> torch.Tensor:
@@ -164,6 +175,24 @@ class LayerHistory:
             if count > a:
                 out[h, a:] = index.best(h, ranked[h], count - a)
         return out + self.block_size
+
+    def page_candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
+        """Per head, the tokens of the blocks after the sink block that the query rows
+        ``[H, R, D]`` rank best, at least ``count`` of them in whole blocks ``[H, n]``
+        (token ids). A block's bound for a row is the most ``q . k`` any key inside
+        its channel-wise bounds can reach (``q+ . max + q- . min``, Quest), so the
+        block holding a row's best token ranks at least as high as that token
+        scores; rows count by their softmax share over the blocks (so one row's
+        larger query norm does not outvote the others) and a block by the most
+        any row gives it, as ``select_tokens`` ranks tokens."""
+        bs = self.block_size
+        q = queries.float() * self.head_dim ** -0.5
+        held = self.num_tokens // bs
+        hi, lo = self.page_max[:, 1:held], self.page_min[:, 1:held]
+        bound = torch.bmm(q.clamp_min(0), hi.transpose(1, 2)) + torch.bmm(q.clamp_max(0), lo.transpose(1, 2))
+        rank = torch.softmax(bound, dim=-1).amax(1)                                    # [H, blocks - 1]
+        blocks = torch.topk(rank, min(rank.shape[1], -(-count // bs)), dim=1, sorted=False).indices + 1
+        return (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
 
     def _cluster_index(self, count: int) -> ClusterIndex:
         """The cluster index, rebuilt when labels moved (a Mosaic split) or once

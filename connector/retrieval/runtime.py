@@ -29,7 +29,8 @@ clusters narrow them first: every cluster is ranked by its centroid and only
 the tokens of the best ones (that many times the budget) are scored exactly
 (``LayerHistory.candidates``, through a per-head index of each cluster's
 tokens), so a step scores a bounded number of tokens and ranks clusters, not
-tokens. The DRE does the clustering, off the critical path (ReSV's hash bits,
+tokens. With ``KVREEL_RETRIEVAL_NARROWING=pages`` blocks are ranked instead by
+their keys' channel-wise bounds (Quest), in the worker, and no DRE runs. The DRE does the clustering, off the critical path (ReSV's hash bits,
 or Mosaic's nested k-means with online assignment and splits); tokens it has
 not labelled yet are always candidates, so a DRE that is late or down costs
 time, never a stale choice (steps taken while it is gone count as
@@ -207,8 +208,8 @@ class RetrievalRuntime:
         """Whether this request's history needs the DRE's clusters: they narrow it
         now, or will before it is twice as long (so they are ready in time)."""
         blocks = 2 * (hist.num_blocks + extra)
-        return not self.exact_for(hist, extra) and narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks),
-                                                           (blocks - 1) * self.block_size)
+        return self.cfg.retrieval_narrowing == "clusters" and not self.exact_for(hist, extra) and \
+            narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks), (blocks - 1) * self.block_size)
 
     def kept_tokens(self, blocks: int) -> int:
         """History tokens a layer attends to beside the sink block, for a history of ``blocks`` blocks."""
@@ -237,7 +238,7 @@ class RetrievalRuntime:
         if client is not None and not self.dre.holds(req_id, layer):                  # a new DRE: cluster anew
             self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, ws)
         ws.hold(lh, choose_tokens(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
-                                  self.cfg.retrieval_candidates))
+                                  self.cfg.retrieval_candidates, self.cfg.retrieval_narrowing))
         self.count("retrieval_steps", label="dre_down" if clustered and client is None else "selected")
         self.count("retrieval_history_blocks", hist.num_blocks)
         self.count("retrieval_kept_blocks", ws.m)

@@ -85,21 +85,24 @@ def kept_tokens(share: float, budget_tokens: int, block_size: int, blocks: int) 
 
 
 def narrows(candidates: int, count: int, tokens: int) -> bool:
-    """Whether the DRE's clusters narrow ``tokens`` history tokens (the sink block
-    aside) to ``candidates x count`` before scoring: only where that at least
-    halves them (narrowing less costs more than it saves)."""
+    """Whether ``tokens`` history tokens (the sink block aside) are narrowed to
+    ``candidates x count`` before scoring: only where that at least halves them
+    (narrowing less costs more than it saves)."""
     return 0 < 2 * candidates * count <= tokens
 
 
-def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int) -> torch.Tensor:
+def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int,
+                  narrowing: str = "clusters") -> torch.Tensor:
     """The history tokens a layer's step attends to ``[H, bs + m]``: the sink block,
     then at most ``count`` tokens its queries ``[H, R, D]`` want most
-    (``select_tokens``), scored among every history token, or among the
-    ``candidates x count`` the DRE's clusters rank best once the history is at
-    least twice that long."""
+    (``select_tokens``), scored among every history token, or, once the history
+    is at least twice ``candidates x count``, among that many that ``narrowing``
+    ranks best: the DRE's ``clusters`` (by centroid) or the blocks' key bounds
+    (``pages``)."""
     bs = lh.block_size
     if narrows(candidates, count, lh.num_tokens - bs):
-        scored = lh.candidates(queries, candidates * count)
+        scored = lh.page_candidates(queries, candidates * count) if narrowing == "pages" else \
+            lh.candidates(queries, candidates * count)
         chosen = scored.gather(1, select_tokens(queries, rows_of(lh.keys, scored), alpha, count, bs))
     else:
         chosen = select_tokens(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs) + bs
