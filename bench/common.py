@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -321,7 +322,7 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
         ax.plot(x, ys, marker="o", label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     if logy:
         ax.set_yscale("log")
     ax.grid(alpha=0.3)

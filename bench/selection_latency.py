@@ -144,7 +144,7 @@ def main() -> None:
               for s in ("decode", "group") for n in (*runtimes, "full attention")}
     plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
                f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
-               f"2-core x86 CPU, median of {a.repeat})", logy=True)
+               f"2-core x86 CPU; one run, each point the median of {a.repeat} steps)", logy=True)
     print(f"wrote {path}")
 
 
