@@ -5,7 +5,7 @@
 Every configuration serves the model with vLLM's OpenAI server on loopback,
 vLLM's paged cache held to ``--kv-blocks`` blocks (smaller than the working
 set, so vLLM's own prefix cache evicts), and is measured by ``vllm bench
-serve`` (vLLM's client, run as its users run it) on two workloads:
+serve`` (vLLM's client, run as its users run it) on these workloads:
 
 * ``prefix_repetition`` (vLLM's dataset): ``--prefixes`` shared prefixes of
   ``--prefix-len`` tokens, each request one of them plus its own suffix, in
@@ -13,7 +13,11 @@ serve`` (vLLM's client, run as its users run it) on two workloads:
   a multiple of vLLM's cache;
 * multi-turn conversations (a ``custom`` dataset built here from Python
   source): ``--conversations`` sessions whose every turn resends the whole
-  history plus a new message, sent turn after turn.
+  history plus a new message, sent turn after turn;
+* ``no_reuse`` (``--workloads no_reuse``): vLLM's ``random`` dataset, prompts of
+  ``--random-len`` random tokens that share nothing, so kvreel saves every
+  block and reuses none: what saving costs (``--concurrency 1``: one request at
+  a time).
 
 Configurations, like with like (the same host-memory budget ``--host-bytes``
 for LMCache's L1 and kvreel's host tier):
