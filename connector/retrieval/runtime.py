@@ -30,8 +30,9 @@ the tokens of the best ones (that many times the budget) are scored exactly
 (``LayerHistory.candidates``, through a per-head index of each cluster's
 tokens), so a step scores a bounded number of tokens and ranks clusters, not
 tokens. With ``KVREEL_RETRIEVAL_NARROWING=pages`` blocks are ranked instead by
-their keys' channel-wise bounds (Quest), in the worker, and no DRE runs. The DRE does the clustering, off the critical path (ReSV's hash bits,
-or Mosaic's nested k-means with online assignment and splits); tokens it has
+their keys' channel-wise bounds (Quest), in the worker, and no DRE runs.
+The DRE does the clustering, off the critical path (ReSV's hash bits, or
+Mosaic's nested k-means with online assignment and splits); tokens it has
 not labelled yet are always candidates, so a DRE that is late or down costs
 time, never a stale choice (steps taken while it is gone count as
 ``dre_down``).
