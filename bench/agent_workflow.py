@@ -141,7 +141,7 @@ def main() -> None:
             if a.lower == "disk":
                 env["KVREEL_DISK_DIR"] = str(work / f"disk-{shape}-{policy}")
             else:
-                side, port = start_redis(tempfile.mkdtemp(prefix="kvreel-agents-redis-"))
+                side, port = start_redis(str(work / f"redis-{shape}-{policy}"))
                 if a.link_gbps:
                     link = Shaper(("127.0.0.1", port), rate_Bps=a.link_gbps * 125e6, chunk=256 * 1024)
                     link.start()

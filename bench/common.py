@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -46,6 +49,19 @@ def python_source_corpus(min_chars: int) -> str:
     return "\n".join(parts)
 
 
+@contextmanager
+def scratch(prefix: str):
+    """A benchmark's working folder (engine logs, disk tiers, Redis data, up to
+    gigabytes): removed when the benchmark ends, kept and named when it fails."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"kept {work} for its logs", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -55,9 +71,9 @@ def free_port() -> int:
 
 def start_redis(tmp: str, port: int | None = None):
     """Debian's redis-server on loopback, no persistence; (process, port) once it accepts connections."""
-    import shutil
     import subprocess
     port = port or free_port()
+    Path(tmp).mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
     try:

@@ -29,12 +29,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cluster_master, engine_env, free_port, save, start_redis_cluster, stop_all,  # noqa: E402
-                    zmq_relay)
+from common import (cluster_master, engine_env, free_port, save, scratch, start_redis_cluster,  # noqa: E402
+                    stop_all, zmq_relay)
 from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
 
@@ -152,10 +151,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--name", default="fleet")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kvreel-fleet-"))
-    all_workloads, turns = build_workloads(a, work)
-    results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
-                                   lambda c, w, where: run_once(c, all_workloads[w], a, where))
+    with scratch("kvreel-fleet-") as work:
+        all_workloads, turns = build_workloads(a, work)
+        results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
+                                       lambda c, w, where: run_once(c, all_workloads[w], a, where))
     ratios = {}
     for w, by in results.items():
         med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}

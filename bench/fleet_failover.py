@@ -20,7 +20,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -28,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, read_counters, save, start_openai_server  # noqa: E402
+from common import python_source_corpus, read_counters, save, scratch, start_openai_server  # noqa: E402
 from fleet import Fleet  # noqa: E402
 from soak import greedy_gaps  # noqa: E402
 
@@ -74,45 +73,45 @@ def main() -> None:
     for i in range(a.requests):
         p = rng.randrange(a.prefixes)
         prompts.append(corpus[p * a.prefix_len:(p + 1) * a.prefix_len] + tail[i * a.suffix_len:(i + 1) * a.suffix_len])
-    work = Path(tempfile.mkdtemp(prefix="kvreel-fleet-failover-"))
-    fleet = Fleet(True, "kv_aware", a, work, replicas=1)
-    results: list[dict] = [None] * a.requests
-    killed_at = {}
-    try:
-        kill_after = a.requests // 3
-        done = threading.Semaphore(0)
+    with scratch("kvreel-fleet-failover-") as work:
+        fleet = Fleet(True, "kv_aware", a, work, replicas=1)
+        results: list[dict] = [None] * a.requests
+        killed_at = {}
+        try:
+            kill_after = a.requests // 3
+            done = threading.Semaphore(0)
 
-        def one(i: int) -> None:
-            results[i] = {**complete(fleet.router, a.model, prompts[i], a.output_len), "i": i,
-                          "t": time.monotonic()}
-            done.release()
+            def one(i: int) -> None:
+                results[i] = {**complete(fleet.router, a.model, prompts[i], a.output_len), "i": i,
+                              "t": time.monotonic()}
+                done.release()
 
-        def killer() -> None:
-            for _ in range(kill_after):
-                done.acquire()
-            killed_at["t"] = time.monotonic()
-            killed_at["port"] = fleet.kill_master()
+            def killer() -> None:
+                for _ in range(kill_after):
+                    done.acquire()
+                killed_at["t"] = time.monotonic()
+                killed_at["port"] = fleet.kill_master()
 
-        th = threading.Thread(target=killer)
-        th.start()
-        with ThreadPoolExecutor(a.concurrency) as pool:
-            list(pool.map(one, range(a.requests)))
-        th.join()
-        counters = {e: read_counters(e, ("lookup_hit_blocks", "remote_upload_failures", "load_errors"))
-                    for e in fleet.engines}
-    finally:
-        fleet.stop()
-    ok = [r for r in results if r["ok"]]
-    ref, ref_base = start_openai_server(a.model, ["--block-size", "32", "--enforce-eager", "--max-model-len",
-                                                  str(a.max_model_len), "--gpu-memory-utilization", "0.05"],
-                                        {"VLLM_CPU_KVCACHE_SPACE": "1"}, work / "reference.log")
-    try:
-        distinct = sorted({(r["i"] % len(prompts), tuple(r["answer"])) for r in ok})
-        gaps = [g for i, ans in distinct for g in greedy_gaps(ref_base, prompts[i], list(ans), model=a.model)]
-        foreign = [g for i, ans in distinct[::max(1, len(distinct) // 12)]
-                   for g in greedy_gaps(ref_base, prompts[(i + 1) % len(prompts)], list(ans), model=a.model)]
-    finally:
-        stop_server(ref)
+            th = threading.Thread(target=killer)
+            th.start()
+            with ThreadPoolExecutor(a.concurrency) as pool:
+                list(pool.map(one, range(a.requests)))
+            th.join()
+            counters = {e: read_counters(e, ("lookup_hit_blocks", "remote_upload_failures", "load_errors"))
+                        for e in fleet.engines}
+        finally:
+            fleet.stop()
+        ok = [r for r in results if r["ok"]]
+        ref, ref_base = start_openai_server(a.model, ["--block-size", "32", "--enforce-eager", "--max-model-len",
+                                                      str(a.max_model_len), "--gpu-memory-utilization", "0.05"],
+                                            {"VLLM_CPU_KVCACHE_SPACE": "1"}, work / "reference.log")
+        try:
+            distinct = sorted({(r["i"] % len(prompts), tuple(r["answer"])) for r in ok})
+            gaps = [g for i, ans in distinct for g in greedy_gaps(ref_base, prompts[i], list(ans), model=a.model)]
+            foreign = [g for i, ans in distinct[::max(1, len(distinct) // 12)]
+                       for g in greedy_gaps(ref_base, prompts[(i + 1) % len(prompts)], list(ans), model=a.model)]
+        finally:
+            stop_server(ref)
     t_kill = killed_at["t"]
     phases = {"before": [r["s"] for r in ok if r["t"] < t_kill],
               "after": [r["s"] for r in ok if r["t"] >= t_kill]}

@@ -51,15 +51,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (free_port, machine, python_source_corpus, save, save_figure, start_openai_server,  # noqa: E402
-                    start_redis, summarize_runs, wait_port)
+from common import (free_port, machine, python_source_corpus, save, save_figure, scratch,  # noqa: E402
+                    start_openai_server, start_redis, summarize_runs, wait_port)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
@@ -129,7 +128,7 @@ def served_config(name: str, a, work: Path) -> tuple[dict | None, dict, list]:
     if name == "kvreel-disk":
         env["KVREEL_DISK_DIR"] = str(work / "kvreel-disk")
     elif name == "kvreel-redis":
-        redis, port = start_redis(tempfile.mkdtemp(prefix="kvreel-peers-redis-"))
+        redis, port = start_redis(str(work / "redis"))
         env["KVREEL_REMOTE_URL"] = f"redis://127.0.0.1:{port}/0"
         side.append(redis)
     return connector, env, side
@@ -300,10 +299,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight (vllm bench serve's max)")
     ap.add_argument("--name", default="peers")
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kvreel-peers-"))
-    all_workloads, turns = build_workloads(a, work)
-    results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
-                                   lambda c, w, where: run_config(c, a, where, w, all_workloads[w]))
+    with scratch("kvreel-peers-") as work:
+        all_workloads, turns = build_workloads(a, work)
+        results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
+                                       lambda c, w, where: run_config(c, a, where, w, all_workloads[w]))
     ratios, ttft_ratios = {}, {}
     pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
              ("kvreel-disk", "vllm"), ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.docker
 ROOT = Path(__file__).parents[1]
 BASE_IMAGE = "kvreel-local-base:bookworm"
 PROJECT = "kvreeltest"
+BUILD_ROOM = 12 * 2**30                 # the CPU image (4.4 GB) and its build's layers, the store, the base
 
 
 def sh(*cmd, env=None, timeout=1800, input_text=None) -> str:
@@ -68,6 +69,30 @@ def docker_engine(tmp_path_factory):
     if started is not None:
         started.terminate()
         started.wait(timeout=60)
+
+
+def image_ids() -> set[str]:
+    return set(sh("docker", "images", "--all", "--quiet", "--no-trunc").split())
+
+
+@pytest.fixture
+def images_made_here(docker_engine):
+    """Room for the images, and every image this test makes (base, intermediate layers
+    of a failed build, final images) removed afterwards: each run builds from scratch,
+    so what one run leaves would otherwise fill the disk of the next (4.4 GB a run)."""
+    root = sh("docker", "info", "--format", "{{.DockerRootDir}}").strip()
+    free = shutil.disk_usage(root).free
+    if free < BUILD_ROOM:
+        pytest.fail(f"Docker's data root {root} has {free / 2**30:.1f} GiB free; building the images needs "
+                    f"{BUILD_ROOM / 2**30:.0f} GiB (docker image prune -a frees what no container uses)")
+    before = image_ids()
+    yield
+    for _ in range(3):                  # children before parents: a parent goes once its children have
+        made = image_ids() - before
+        if not made:
+            return
+        subprocess.run(["docker", "rmi", "--force", *made], capture_output=True, timeout=300)
+    print("images this test made and could not remove:", image_ids() - before)
 
 
 def local_base(tmp: Path) -> str:
@@ -163,7 +188,7 @@ def build_context_files() -> list[str]:
 
 
 @pytest.mark.timeout(2700)          # the images are built from scratch, every run
-def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp_path):
+def test_compose_stack_serves_reuse_and_retrieval(images_made_here, tiny_model, tmp_path):
     # only what the images copy is sent to the daemon (.dockerignore): no .venv, .git or results
     sent = build_context_files()
     assert "pyproject.toml" in sent and "connector/kvreel_connector.py" in sent
@@ -182,7 +207,7 @@ def test_compose_stack_serves_reuse_and_retrieval(docker_engine, tiny_model, tmp
     try:
         t0 = time.monotonic()
         # no layer from an earlier run: a pin the base has moved past fails here, not on a user's machine
-        sh(*compose, "build", "--no-cache", env=env, timeout=2400)
+        sh(*compose, "build", "--no-cache", "--force-rm", env=env, timeout=2400)
         print(f"images built from scratch in {time.monotonic() - t0:.0f} s")
     finally:
         server.shutdown()
