@@ -1,21 +1,24 @@
-"""How many prefill rows may share one working set: teacher-forced top-1
-agreement with full attention when a prefill chunk's rows are selected for in
-groups of G (``KVREEL_RETRIEVAL_ROWS_PER_SET``), offline, in transformers.
+"""How many prefill rows may share one working set, and what alpha and the
+budget buy: teacher-forced top-1 agreement with full attention when a prefill
+chunk's rows are selected for in groups of G (``KVREEL_RETRIEVAL_ROWS_PER_SET``)
+at each alpha and budget share given, offline, in transformers.
 
 The model runs its eager attention with each position past the retrieval
 threshold restricted to what kvreel would let it see: the sink block, the
 history tokens its group's queries select (kvreel's own ``select_tokens``, at
-kvreel's default share, budget and alpha), then the window and the chunk up to
-itself. Full attention in the same run is the reference. Every history token
+kvreel's defaults unless ``--alphas`` / ``--shares`` say otherwise), then the
+window and the chunk up to itself. Full attention in the same run is the reference. Every history token
 is scored exactly (as kvreel does below twice the candidates x the budget;
 past that its clusters narrow the scoring first).
 
     python bench/prefill_groups.py --model /path/to/smollm2-135m --groups 512,64,16
+    python bench/prefill_groups.py --model ... --groups 64 --alphas 0.9,0.99,1 --name prefill_alpha
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -38,6 +41,7 @@ class RetrievalMask:
     def __init__(self, original, cfg: KVReelConfig, tokens: int, chunk: int):
         self.original, self.cfg, self.tokens, self.chunk = original, cfg, tokens, chunk
         self.group: int | None = None          # None: full attention
+        self.alpha, self.share = cfg.retrieval_alpha, cfg.retrieval_budget_share
         self.read = [0, 0]                     # history tokens attended to / history tokens, summed
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
@@ -54,12 +58,11 @@ class RetrievalMask:
             allowed = torch.ones(q.shape[0], e - s, e, dtype=torch.bool).tril(s)
             if s >= self.cfg.retrieval_min_tokens:
                 history = (s - self.cfg.retrieval_window) // BLOCK * BLOCK
-                count = kept_tokens(self.cfg.retrieval_budget_share, self.cfg.retrieval_budget_tokens, BLOCK,
-                                    history // BLOCK)
+                count = kept_tokens(self.share, self.cfg.retrieval_budget_tokens, BLOCK, history // BLOCK)
                 for a in range(s, e, self.group):
                     b = min(a + self.group, e)
                     rows = q[:, a:b].reshape(heads, per_head * (b - a), -1)
-                    chosen = select_tokens(rows, k[:, BLOCK:history], self.cfg.retrieval_alpha, count, BLOCK) + BLOCK
+                    chosen = select_tokens(rows, k[:, BLOCK:history], self.alpha, count, BLOCK) + BLOCK
                     self.read[0] += chosen.shape[1] * heads
                     self.read[1] += (history - BLOCK) * heads
                     seen = torch.zeros(heads, e, dtype=torch.bool)
@@ -78,6 +81,9 @@ def main() -> None:
     ap.add_argument("--groups", default="512,64,16", help="rows per working set, comma separated")
     ap.add_argument("--tokens", type=int, default=6144, help="held-out Python source, prefilled in chunks")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--alphas", default=None, help="KVREEL_RETRIEVAL_ALPHA values (default: kvreel's)")
+    ap.add_argument("--shares", default=None, help="KVREEL_RETRIEVAL_BUDGET_SHARE values (default: kvreel's)")
+    ap.add_argument("--name", default="prefill_groups")
     a = ap.parse_args()
     import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,40 +99,44 @@ def main() -> None:
         t0 = time.perf_counter()
         reference = model(x).logits[0].argmax(-1)
         print(f"full attention: {time.perf_counter() - t0:.0f} s", flush=True)
-        for group in [int(g) for g in a.groups.split(",")]:
-            mask.group, mask.read = group, [0, 0]
+        for group, alpha, share in itertools.product(
+                [int(g) for g in a.groups.split(",")],
+                [float(x) for x in a.alphas.split(",")] if a.alphas else [cfg.retrieval_alpha],
+                [float(x) for x in a.shares.split(",")] if a.shares else [cfg.retrieval_budget_share]):
+            mask.group, mask.alpha, mask.share, mask.read = group, alpha, share, [0, 0]
             t0 = time.perf_counter()
             got = model(x).logits[0].argmax(-1)
             agreement = (got[scored] == reference[scored]).float().mean().item()
-            rows.append({"rows_per_set": group, "top1_agreement": agreement,
+            rows.append({"rows_per_set": group, "alpha": alpha, "budget_share": share, "top1_agreement": agreement,
                          "history_read": mask.read[0] / mask.read[1], "seconds": time.perf_counter() - t0})
             print(rows[-1], flush=True)
     settings = {"tokens": a.tokens, "chunk": a.chunk, "positions_scored": a.tokens - cfg.retrieval_min_tokens,
-                **{k: getattr(cfg, k) for k in ("retrieval_budget_share", "retrieval_budget_tokens", "retrieval_alpha",
-                                                 "retrieval_window", "retrieval_min_tokens")},
+                **{k: getattr(cfg, k) for k in ("retrieval_budget_tokens", "retrieval_window", "retrieval_min_tokens")},
                 "scoring": "every history token (no cluster narrowing)", "reference": "full attention, same run"}
     import transformers
-    path = save(f"prefill_groups_{Path(a.model).name}", {"model": Path(a.model).name,
-                                                          "transformers": transformers.__version__,
-                                                          "settings": settings, "rows": rows})
+    name = f"{a.name}_{Path(a.model).name}"
+    path = save(name, {"model": Path(a.model).name, "transformers": transformers.__version__,
+                       "settings": settings, "rows": rows})
     print(f"wrote {path}")
-    plot(f"prefill_groups_{Path(a.model).name}", Path(a.model).name, rows, settings)
+    plot(name, Path(a.model).name, rows, settings)
 
 
 def plot(name: str, model: str, rows: list[dict], settings: dict) -> None:
+    """Agreement against the share of the history read, one labelled point per setting."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot([r["rows_per_set"] for r in rows], [100 * r["top1_agreement"] for r in rows], marker="o",
-            label="retrieval at kvreel's defaults")
+    fig, ax = plt.subplots(figsize=(7, 4.3))
+    for r in rows:
+        x, y = 100 * r["history_read"], 100 * r["top1_agreement"]
+        ax.plot(x, y, "o", color="tab:blue")
+        ax.annotate(f"G={r['rows_per_set']}, a={r['alpha']:g}, 1/{1 / r['budget_share']:g}", (x, y), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
     ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prefill rows per working set")
+    ax.set_xlabel("history read (% of the history tokens, every layer and head)")
     ax.set_ylabel("top-1 agreement with full attention (%)")
-    ax.set_title(f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks,\n"
-                 f"budget {settings['retrieval_budget_share']:g} of the history, alpha "
-                 f"{settings['retrieval_alpha']:g}; offline (transformers), 2-core x86 CPU, one run", fontsize=9)
+    ax.set_title(f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks; G rows per\n"
+                 "working set, alpha a, budget share; offline (transformers), 2-core x86 CPU, one run", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, name)
