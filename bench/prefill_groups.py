@@ -7,9 +7,9 @@ The model runs its eager attention with each position past the retrieval
 threshold restricted to what kvreel would let it see: the sink block, the
 history tokens its group's queries select (kvreel's own ``select_tokens``, at
 kvreel's defaults unless ``--alphas`` / ``--shares`` say otherwise), then the
-window and the chunk up to itself. Full attention in the same run is the reference. Every history token
-is scored exactly (as kvreel does below twice the candidates x the budget;
-past that its clusters narrow the scoring first).
+window and the chunk up to itself. Full attention in the same run is the
+reference. Every history token is scored exactly (as kvreel does below twice
+the candidates x the budget; past that its clusters narrow the scoring first).
 
     python bench/prefill_groups.py --model /path/to/smollm2-135m --groups 512,64,16
     python bench/prefill_groups.py --model ... --groups 64 --alphas 0.9,0.99,1 --name prefill_alpha
@@ -101,8 +101,8 @@ def main() -> None:
         print(f"full attention: {time.perf_counter() - t0:.0f} s", flush=True)
         for group, alpha, share in itertools.product(
                 [int(g) for g in a.groups.split(",")],
-                [float(x) for x in a.alphas.split(",")] if a.alphas else [cfg.retrieval_alpha],
-                [float(x) for x in a.shares.split(",")] if a.shares else [cfg.retrieval_budget_share]):
+                [float(v) for v in a.alphas.split(",")] if a.alphas else [cfg.retrieval_alpha],
+                [float(v) for v in a.shares.split(",")] if a.shares else [cfg.retrieval_budget_share]):
             mask.group, mask.alpha, mask.share, mask.read = group, alpha, share, [0, 0]
             t0 = time.perf_counter()
             got = model(x).logits[0].argmax(-1)
