@@ -223,9 +223,11 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
 
 
 def machine() -> dict:
+    """Where a figure was measured. The CPU's vector ISA is part of it: on an
+    AVX2-only CPU torch's bf16 matrix products run ~45x slower than float32's."""
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "vllm_engine_env": {k: engine_env()[k] for k in EQUAL_CPU_SPLIT}}
     return {**info, **package_versions()}
 

@@ -22,9 +22,12 @@ so under load even plain vLLM picks, at near ties, a token a hair below the
 idle greedy one (``--control`` measures how far for plain vLLM alone); a token
 more than ``--tolerance`` nats below is wrong. To show the check can fail,
 answers are also checked against a prompt they do not belong to.
-Long sessions attend to part of their history by design, so for them only
-completion is checked. Reported: requests, errors, wrong answers and tokens,
-TTFT p50/p99 per phase, retrieval counters, server memory over time.
+Long sessions attend to part of their history by design: their answers
+(``--long-checks`` of them) are teacher-forced through full attention and how
+many tokens stray is reported, not counted as wrong. Reported: requests,
+errors, wrong answers and tokens, TTFT p50/p99 per phase, retrieval counters,
+the memory of every server process over time and its spread after
+``--warmup-minutes``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -47,7 +49,8 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, python_source_corpus, save, save_figure, start_openai_server, start_redis  # noqa: E402
+from common import (free_port, python_source_corpus, save, save_figure, scratch, start_openai_server,  # noqa: E402
+                    start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
@@ -164,20 +167,38 @@ def kill_program(program: str) -> int:
     return killed
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants."""
-    total, todo = 0, [pid]
+def rss_by_process_mib(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of a server and its descendants, by process: the API
+    server (``pid``), the DRE service(s), and the others by the name vLLM gives
+    them (``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    rss: dict[str, float] = {}
+    todo = [pid]
     while todo:
         p = todo.pop()
         try:
-            for line in open(f"/proc/{p}/status"):
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-            children = open(f"/proc/{p}/task/{p}/children").read().split()
-            todo += [int(c) for c in children]
-        except OSError:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+            argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
+            name = "API server" if p == pid else "DRE" if b"dre_service" in cmdline else \
+                "resource tracker" if b"resource_tracker" in cmdline else \
+                argv0 if argv0.startswith("VLLM::") else Path(f"/proc/{p}/comm").read_text().strip()
+            kib = next(int(line.split()[1]) for line in open(f"/proc/{p}/status") if line.startswith("VmRSS:"))
+            rss[name] = rss.get(name, 0.0) + kib / 1024
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (OSError, StopIteration):
             continue
-    return total / 1024
+    return rss
+
+
+def memory_after_warmup(samples: list[dict], warmup_s: float) -> dict[str, dict]:
+    """Each process's RSS over the samples after ``warmup_s``: first, last, min, max
+    and spread ((max - min) / min), the soak's flatness figure."""
+    later = [s for s in samples if s["t"] >= warmup_s] or samples[-1:]
+    out = {}
+    for name in sorted({n for s in later for n in s["processes"]}):
+        xs = [s["processes"][name] for s in later if name in s["processes"]]
+        out[name] = {"first": xs[0], "last": xs[-1], "min": min(xs), "max": max(xs),
+                     "spread": (max(xs) - min(xs)) / min(xs)}
+    return out
 
 
 def corrupt(disk_dir: Path, redis_port: int, rng: random.Random) -> int:
@@ -224,12 +245,22 @@ def main():
     ap.add_argument("--long-max", type=int, default=7680, help="a long session stops growing here")
     ap.add_argument("--budget", type=int, default=1024, help="KVREEL_RETRIEVAL_BUDGET_TOKENS")
     ap.add_argument("--no-faults", action="store_true", help="load only")
+    ap.add_argument("--long-checks", type=int, default=150,
+                    help="long-session answers teacher-forced through full attention after the run (at most)")
+    ap.add_argument("--warmup-minutes", type=float, default=5,
+                    help="memory is judged flat or not on the samples after this")
     ap.add_argument("--tolerance", type=float, default=0.25,
                     help="nats below plain vLLM's greedy choice that still count as rounding, not a wrong token")
     ap.add_argument("--name", help="results name (default: soak, or soak_control)")
     ap.add_argument("--control", action="store_true",
                     help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
     a = ap.parse_args()
+    with scratch("kvreel-soak-") as work:
+        run(a, work)
+
+
+def run(a: argparse.Namespace, work: Path) -> None:
+    """The soak in working folder ``work``: load and faults, then the checks."""
     from transformers import AutoTokenizer
     rng = random.Random(0)
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -238,7 +269,6 @@ def main():
     exact = len(prompts)                  # picks from here on are long sessions (retrieval)
     sessions = [LongSession(corpus, j, 3000, a.grow, a.long_max) for j in range(0 if a.control else a.long_prompts)]
 
-    work = Path(tempfile.mkdtemp(prefix="kvreel-soak-"))
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
     disk = work / "disk"
@@ -326,7 +356,8 @@ def main():
         if now >= next_reset:
             reset_prefix_cache(base)
             next_reset += a.reset_every
-        samples.append({"t": now, "rss_mib": tree_rss_mib(server.pid)})
+        processes = rss_by_process_mib(server.pid)
+        samples.append({"t": now, "rss_mib": sum(processes.values()), "processes": processes})
         bar.update(int(now) - bar.n)
         time.sleep(5)
     for th in threads:
@@ -341,7 +372,7 @@ def main():
     # more than --tolerance nats below its greedy choice at that position; rounding
     # from the batch a request shared moves logits by far less (--control measures it
     # for plain vLLM under the same load), a wrong block by far more.
-    ref_server, ref_base = start_server(a.model, env, False, work / "reference.log")
+    ref_server, ref_base = start_server(a.model, env, False, work / "reference.log", max_model_len=a.long_max + 64)
     distinct = {(r["prompt"], tuple(r["answer"])) for r in ok if not r["long"]}
     gaps = {key: greedy_gaps(ref_base, prompts[key[0]], answer_ids(list(key[1])))
             for key in tqdm(sorted(distinct), desc="teacher-forced check")}
@@ -351,6 +382,17 @@ def main():
                     for x in greedy_gaps(ref_base, prompts[(i + 1) % exact], answer_ids(list(ans)))]
     foreign = {"answers": len(shuffled), "tokens": len(foreign_gaps),
                "flagged_tokens": sum(x > a.tolerance for x in foreign_gaps)}
+    # long sessions' answers, teacher-forced through full attention: retrieval reads part of
+    # the history by design, so how far they stray is reported, not counted as wrong
+    longs = [r for r in ok if r["long"]]
+    longs = longs[::max(1, -(-len(longs) // a.long_checks))]
+    long_gaps = [x for r in tqdm(longs, desc="long sessions vs full attention")
+                 for x in greedy_gaps(ref_base, sessions[r["prompt"] - exact].tokens[:r["tokens"]],
+                                      answer_ids(r["answer"]))]
+    long_check = {"answers": len(longs), "tokens": len(long_gaps), "off_greedy_tokens": sum(x > 0 for x in long_gaps),
+                  "over_tolerance_tokens": sum(x > a.tolerance for x in long_gaps),
+                  "max_gap_nats": max(long_gaps, default=0.0),
+                  "reference": "plain vLLM, full attention, idle; answers taken evenly over the run"}
     stop_server(ref_server)
     stop_server(server)
     redis.kill()
@@ -392,6 +434,7 @@ def main():
            "long_session_requests": sum(1 for r in results if r["prompt"] >= exact),
            "long_session_served": sum(1 for r in ok if r["long"]),
            "long_session_tokens_max": max((r["tokens"] for r in ok if r["long"]), default=0),
+           "long_session_check": long_check,
            "paged_cache_tokens": a.kv_blocks * 32,
            "wrong_examples": [{k: r[k] for k in ("t", "id", "prompt", "tokens", "cached", "ttft", "answer", "gaps")}
                               for r in ok if r["wrong"]][:20],
@@ -400,6 +443,8 @@ def main():
            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
            "rss_mib": {"first": samples[0]["rss_mib"], "last": samples[-1]["rss_mib"],
                        "max": max(s["rss_mib"] for s in samples)},
+           "warmup_s": a.warmup_minutes * 60,
+           "rss_after_warmup_mib": memory_after_warmup(samples, a.warmup_minutes * 60),
            "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
            "error_examples": [r["error"] for r in results if not r["ok"]][:5],
            "retrieval_metrics": {k: v for k, v in kvreel_metrics.items() if "retrieval" in k or "dre" in k},
@@ -407,17 +452,16 @@ def main():
     out["control"] = a.control
     name = a.name or ("soak_control" if a.control else "soak")
     path = save(name, out)
-    _plot(results, samples, events, name)
+    _plot(results, samples, events, name, out["warmup_s"])
     long_fields = ("memory", "phases", "kvreel_metrics", "off_greedy_gaps_nats_distinct_answers")
     print(json.dumps({k: v for k, v in out.items() if k not in long_fields}, indent=1))
     print("wrote", path)
     keep = Path(__file__).parent / "data"
     keep.mkdir(exist_ok=True)
     shutil.copy(work / "kvreel.log", keep / f"{name}_server.log")
-    shutil.rmtree(work, ignore_errors=True)
 
 
-def _plot(results, samples, events, name):
+def _plot(results, samples, events, name, warmup_s):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -429,8 +473,12 @@ def _plot(results, samples, events, name):
     ax[0].scatter([r["t"] for r in bad], [1] * len(bad), s=12, marker="x", color="black", label="errors")
     ax[0].set_yscale("log")
     ax[0].set_ylabel("TTFT (ms)")
-    ax[1].plot([s["t"] for s in samples], [s["rss_mib"] for s in samples])
-    ax[1].set_ylabel("server RSS (MiB)")
+    for process in sorted({n for s in samples for n in s["processes"]}):
+        ax[1].plot([s["t"] for s in samples if process in s["processes"]],
+                   [s["processes"][process] for s in samples if process in s["processes"]], label=process)
+    ax[1].axvline(warmup_s, color="black", lw=0.7, label="end of warm-up")
+    ax[1].set_ylabel("RSS (MiB)")
+    ax[1].legend(fontsize=7)
     ax[1].set_xlabel("seconds")
     for e in events:
         for axis in ax:
