@@ -83,13 +83,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
     ap.add_argument("--alphas", default=None, help="KVREEL_RETRIEVAL_ALPHA values (default: kvreel's)")
     ap.add_argument("--shares", default=None, help="KVREEL_RETRIEVAL_BUDGET_SHARE values (default: kvreel's)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the model's dtype (vLLM serves bf16; on a CPU without AVX-512 bf16 runs far slower)")
     ap.add_argument("--name", default="prefill_groups")
     a = ap.parse_args()
     import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
     cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv"})
     ids = AutoTokenizer.from_pretrained(a.model)(python_source_corpus(8 * a.tokens))["input_ids"][:a.tokens]
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype),
+                                                 attn_implementation="eager").eval()
     mask = RetrievalMask(llama.eager_attention_forward, cfg, a.tokens, a.chunk)
     llama.eager_attention_forward = mask
     x = torch.tensor([ids])
@@ -110,7 +113,8 @@ def main() -> None:
             rows.append({"rows_per_set": group, "alpha": alpha, "budget_share": share, "top1_agreement": agreement,
                          "history_read": mask.read[0] / mask.read[1], "seconds": time.perf_counter() - t0})
             print(rows[-1], flush=True)
-    settings = {"tokens": a.tokens, "chunk": a.chunk, "positions_scored": a.tokens - cfg.retrieval_min_tokens,
+    settings = {"tokens": a.tokens, "chunk": a.chunk, "dtype": a.dtype,
+                "positions_scored": a.tokens - cfg.retrieval_min_tokens,
                 **{k: getattr(cfg, k) for k in ("retrieval_budget_tokens", "retrieval_window", "retrieval_min_tokens")},
                 "scoring": "every history token (no cluster narrowing)", "reference": "full attention, same run"}
     import transformers
@@ -136,7 +140,8 @@ def plot(name: str, model: str, rows: list[dict], settings: dict) -> None:
     ax.set_xlabel("history read (% of the history tokens, every layer and head)")
     ax.set_ylabel("top-1 agreement with full attention (%)")
     ax.set_title(f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks; G rows per\n"
-                 "working set, alpha a, budget share; offline (transformers), 2-core x86 CPU, one run", fontsize=9)
+                 f"working set, alpha a, budget share; offline (transformers, {settings.get('dtype', 'bfloat16')}), "
+                 "2-core x86 CPU, one run", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, name)
