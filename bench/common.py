@@ -227,7 +227,8 @@ def machine() -> dict:
     AVX2-only CPU torch's bf16 matrix products run ~45x slower than float32's."""
     import torch
     info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "vllm_engine_env": {k: engine_env()[k] for k in EQUAL_CPU_SPLIT}}
     return {**info, **package_versions()}
 
@@ -343,6 +344,25 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
     if logy:
         ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, name)
+
+
+def plot_agreement(name: str, points: list[tuple[float, float, str]], xlabel: str, title: str) -> Path:
+    """Top-1 agreement with full attention (%) against the share of the history
+    read (%), one labelled point ``(x, y, label)`` per setting, and the 98 % goal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.3))
+    for x, y, label in points:
+        ax.plot(x, y, "o", color="tab:blue")
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("top-1 agreement with full attention (%)")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, name)

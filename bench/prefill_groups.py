@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, save, save_figure  # noqa: E402
+from common import plot_agreement, python_source_corpus, save  # noqa: E402
 
 from kvreel.connector.config import KVReelConfig  # noqa: E402
 from kvreel.connector.retrieval.selection import kept_tokens, select_tokens  # noqa: E402
@@ -127,25 +127,12 @@ def main() -> None:
 
 def plot(name: str, model: str, rows: list[dict], settings: dict) -> None:
     """Agreement against the share of the history read, one labelled point per setting."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.3))
-    for r in rows:
-        x, y = 100 * r["history_read"], 100 * r["top1_agreement"]
-        ax.plot(x, y, "o", color="tab:blue")
-        ax.annotate(f"G={r['rows_per_set']}, a={r['alpha']:g}, 1/{1 / r['budget_share']:g}", (x, y), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
-    ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
-    ax.set_xlabel("history read (% of the history tokens, every layer and head)")
-    ax.set_ylabel("top-1 agreement with full attention (%)")
-    ax.set_title(f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks; G rows per\n"
-                 f"working set, alpha a, budget share; offline (transformers, {settings.get('dtype', 'bfloat16')}), "
-                 "2-core x86 CPU, one run", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, name)
-
+    plot_agreement(name, [(100 * r["history_read"], 100 * r["top1_agreement"],
+                           f"G={r['rows_per_set']}, a={r['alpha']:g}, 1/{1 / r['budget_share']:g}") for r in rows],
+                   "history read (% of the history tokens, every layer and head)",
+                   f"{model}: {settings['tokens']} tokens of Python in {settings['chunk']}-token chunks; G rows per\n"
+                   f"working set, alpha a, budget share; offline (transformers, {settings.get('dtype', 'bfloat16')}), "
+                   "2-core x86 CPU, one run")
 
 if __name__ == "__main__":
     main()
