@@ -12,9 +12,11 @@ from kvreel.connector.tiers.disk import DiskTier
 
 
 def kvreel(*args, env=None):
+    """``kvreel ARGS`` in a fresh process; 600 s as for the demo: ``publish`` starts a
+    vLLM engine (82 s on an AVX2-only 2-core CPU, past 120 s with another engine beside it)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
     return subprocess.run([sys.executable, "-m", "kvreel.connector.cli", *args], capture_output=True, text=True,
-                          env={**base, **(env or {})}, timeout=120)
+                          env={**base, **(env or {})}, timeout=600)
 
 
 def test_doctor_reports_tiers_and_refuses_bad_settings(tmp_path, redis_server):
