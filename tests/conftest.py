@@ -52,15 +52,14 @@ def run_scenario(args: dict, timeout: int = 600) -> dict:
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # vLLM keeps one core more back for an engine with a KV connector, so on a
         # 2-core host plain vLLM would compute on one thread and kvreel's engine on
         # two; on an AVX2-only CPU the bf16 results depend on the thread count. Every
-        # engine keeps the same core back (the benchmarks' equal split) so a
+        # engine keeps the same core back (the benchmarks' engine_env) so a
         # comparison differs only in kvreel.
-        from bench.common import EQUAL_CPU_SPLIT
-        env.update({k: v for k, v in EQUAL_CPU_SPLIT.items() if k not in env})
+        from bench.common import engine_env
+        env = {k: v for k, v in engine_env().items() if not k.startswith("KVREEL_")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.update(args.get("env", {}))            # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
         proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), "scenario", json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
