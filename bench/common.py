@@ -124,7 +124,7 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
                  "--dir", str(node_home), "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
                  *(["--requirepass", password, "--masterauth", password] if password else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
+        deadline = time.time() + 60
         for port, proc in nodes.items():
             wait_port(port, proc, f"redis-server on port {port}", timeout=max(0.0, deadline - time.time()))
         made = subprocess.run([cli, *auth, "--cluster", "create", *[f"127.0.0.1:{p}" for p in nodes],
@@ -140,10 +140,16 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
             if time.time() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
             time.sleep(0.2)
+        # Every node starts as a master and --cluster create turns some into replicas
+        # afterwards: wait until every node sees all of them as replicas and each one
+        # has synced, or a node still counted as master would make the test flaky.
+        want = masters * replicas
         for port in nodes:
-            while not any(s in info(port, "info replication") for s in ("role:master", "master_link_status:up")):
+            while (info(port, "cluster nodes").count("slave") != want
+                   or sum("master_link_status:up" in info(p, "info replication") for p in nodes) != want):
                 if time.time() > deadline:
-                    raise RuntimeError(f"the replica on port {port} did not sync with its master")
+                    raise RuntimeError(f"the cluster's {want} replicas did not all sync with their masters "
+                                       f"as node {port} sees them")
                 time.sleep(0.2)
     except BaseException:
         stop_all(nodes.values())
