@@ -144,13 +144,11 @@ def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, passwor
         # afterwards: wait until every node sees all of them as replicas and each one
         # has synced, or a node still counted as master would make the test flaky.
         want = masters * replicas
-        for port in nodes:
-            while (info(port, "cluster nodes").count("slave") != want
-                   or sum("master_link_status:up" in info(p, "info replication") for p in nodes) != want):
-                if time.time() > deadline:
-                    raise RuntimeError(f"the cluster's {want} replicas did not all sync with their masters "
-                                       f"as node {port} sees them")
-                time.sleep(0.2)
+        while not (all(info(p, "cluster nodes").count("slave") == want for p in nodes)
+                   and sum("master_link_status:up" in info(p, "info replication") for p in nodes) == want):
+            if time.time() > deadline:
+                raise RuntimeError(f"the cluster's {want} replicas did not all sync with their masters")
+            time.sleep(0.2)
     except BaseException:
         stop_all(nodes.values())
         raise
