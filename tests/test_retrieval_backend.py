@@ -209,13 +209,13 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
     for i, needle in enumerate(needles):
         query[per_set * i:per_set * (i + 1), :G] = (keys[needle, 0] * 8).bfloat16()
     held = []
-    working_set = runtime.working_set
+    choose_in_groups = runtime.choose_in_groups
 
     def recording(*args):
-        ws = working_set(*args)
-        held.append(ws.held[:, :ws.m * BS].clone())
-        return ws
-    monkeypatch.setattr(runtime, "working_set", recording)
+        chosen = choose_in_groups(*args)
+        held.extend(chosen)
+        return chosen
+    monkeypatch.setattr(runtime, "choose_in_groups", recording)
     out = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, out)
     assert len(held) == 3 and all(h.shape[1] <= 4 * BS for h in held)

@@ -159,6 +159,25 @@ def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():
     assert select_tokens(queries, keys, alpha=1.0, count=256, unit=BS).shape == (H, 256)     # the budget caps
 
 
+@pytest.mark.parametrize("rows,group_rows", [(23, 5), (100, 40), (64, 32), (7, 24)])
+def test_groups_selected_together_choose_what_each_would_alone(rows, group_rows):
+    """``select_in_groups`` scores every group's rows in shared passes over the
+    keys (whole groups per pass, or a group over several passes, a short last
+    group): each group gets the tokens ``select_tokens`` gives its rows alone."""
+    from kvreel.connector.retrieval.selection import select_in_groups, select_tokens
+    g = torch.Generator().manual_seed(rows)
+    keys = torch.randn(H, 640, D, generator=g)
+    queries = torch.randn(H, rows, D, generator=g) * 2
+    for alpha, count in ((0.9, 256), (0.5, 256), (1.0, 96)):
+        together = select_in_groups(queries, keys, alpha, count, BS, group_rows)
+        alone = [select_tokens(queries[:, a:a + group_rows], keys, alpha, count, BS)
+                 for a in range(0, rows, group_rows)]
+        assert len(together) == len(alone)
+        for t, o in zip(together, alone):
+            assert t.shape == o.shape and t.shape[1] % BS == 0
+            assert all(set(x) == set(y) for x, y in zip(t.tolist(), o.tolist()))
+
+
 def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
     """Each block's channel-wise key bounds (Quest): its bound for a query is at
     least every one of its keys' scores; with 40 blocks narrowed to 2 (one

@@ -28,11 +28,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreel.connector.retrieval.plugin import engine_settings
 from kvreel.connector.retrieval.runtime import RetrievalRuntime
+from kvreel.connector.retrieval.working_set import write_history_pages
 from kvreel.connector.vllm_internals import cpu_attention_classes, cpu_scheduler_metadata, layer_index
 
 CPUAttentionBackend, CPUAttentionBackendImpl = cpu_attention_classes()
 
 logger = logging.getLogger(__name__)
+
+GROUP_SCRATCH_BYTES = 128 << 20      # a prefill chunk's working sets per kernel call: bounds the scratch pages
 
 
 class RetrievalAttentionImpl(CPUAttentionBackendImpl):
@@ -99,40 +102,49 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             self._attend_in_groups(layer, query, kv_cache, meta, r, req_id, output)
 
     def _attend_in_groups(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
-        """Row ``r``'s queries in groups of ``KVREEL_RETRIEVAL_ROWS_PER_SET``, one
-        kernel call each: a group attends to the history its own queries select,
-        then to the request's resident blocks up to its last token. A chunk shares
-        no working set, so the few rows that ask for a needle are not outvoted by
-        the rest; the resident pages are copied once, behind the slot's budget pages."""
+        """Row ``r``'s queries in groups of ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a group
+        attends to the history its own queries select, then to the request's
+        resident blocks up to its last token. A chunk shares no working set, so the
+        few rows that ask for a needle are not outvoted by the rest. The groups'
+        working sets are written side by side into the runtime's scratch pages, the
+        resident blocks once behind them, and one kernel call (a row per group)
+        attends to them all, or a few calls where they would take more than
+        ``GROUP_SCRATCH_BYTES``."""
         rt = self.runtime
-        bs, H = rt.block_size, self.num_kv_heads
+        bs, H, per_set = rt.block_size, self.num_kv_heads, rt.cfg.retrieval_rows_per_set
         start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
         hist = rt.histories[req_id]
-        seq_len = int(meta.seq_lens[r])
+        lh = hist.layers[self.layer_index]
+        beyond = int(meta.seq_lens[r]) - hist.num_blocks * bs          # tokens after the history, the chunk's too
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
-        resident = pages.index_select(0, meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long())
-        first, n = rt.budget_pages, resident.shape[0]        # working sets never hold more than the budget's pages
-        scratch = None
-        for a in range(start, end, rt.cfg.retrieval_rows_per_set):
-            b = min(a + rt.cfg.retrieval_rows_per_set, end)
-            q = query[a:b]
-            ws = rt.working_set(req_id, self.layer_index, self._by_kv_head(q))
-            if a == start:
-                if first + n <= rt.slot_pages:
-                    ws.buffer[first:first + n] = resident
-                else:                # more resident blocks than the slot has room for (see _attend_together)
-                    scratch = torch.empty(first + n, *pages.shape[1:], dtype=pages.dtype)
-                    scratch[first:] = resident
-            if scratch is not None:
-                scratch[:ws.m] = ws.buffer[:ws.m]
-            base = 0 if scratch is not None else ws.slot * rt.slot_pages
-            table = torch.cat([torch.arange(base, base + ws.m), torch.arange(base + first, base + first + n)])
-            sub = self._metadata(layer, meta, q, torch.tensor([0, b - a], dtype=meta.query_start_loc.dtype),
-                                 torch.tensor([ws.m * bs + seq_len - hist.num_blocks * bs - (end - b)],
-                                              dtype=meta.seq_lens.dtype),
-                                 table.to(meta.block_table.dtype).unsqueeze(0))
-            buffer = rt.buffer(self.layer_index) if scratch is None else scratch
-            super().forward(layer, q, None, None, buffer.view(buffer.shape[0], H, bs, -1), sub, output[a:b])
+        resident = meta.block_table[r, hist.num_blocks:-(-int(meta.seq_lens[r]) // bs)].long()
+        chosen = rt.choose_in_groups(req_id, self.layer_index, self._by_kv_head(query[start:end]),
+                                     per_set * (self.num_heads // H))
+        page_bytes = pages[0].numel() * pages.element_size()
+        widest = max(c.shape[1] for c in chosen) // bs
+        at_once = max(1, (GROUP_SCRATCH_BYTES // page_bytes - len(resident)) // widest)
+        for g0 in range(0, len(chosen), at_once):
+            groups = chosen[g0:g0 + at_once]
+            tokens = torch.cat(groups, 1)                                     # [H, the groups' pages x bs]
+            first = tokens.shape[1] // bs
+            buffer = rt.scratch(first + len(resident))
+            buffer[first:] = pages.index_select(0, resident)
+            write_history_pages(buffer, lh, tokens)
+            m = [c.shape[1] // bs for c in groups]
+            a, b = start + g0 * per_set, min(start + (g0 + len(groups)) * per_set, end)
+            qsl = torch.tensor([0] + [min((i + 1) * per_set, b - a) for i in range(len(groups))],
+                               dtype=meta.query_start_loc.dtype)
+            seq_lens = torch.tensor([m_i * bs + beyond - (end - a - int(qsl[i + 1])) for i, m_i in enumerate(m)],
+                                    dtype=meta.seq_lens.dtype)
+            table = torch.zeros(len(groups), max(m) + len(resident), dtype=meta.block_table.dtype)
+            offset = 0
+            for i, m_i in enumerate(m):
+                table[i, :m_i] = torch.arange(offset, offset + m_i)
+                table[i, m_i:m_i + len(resident)] = torch.arange(first, first + len(resident))
+                offset += m_i
+            sub = self._metadata(layer, meta, query[a:b], qsl, seq_lens, table)
+            super().forward(layer, query[a:b], None, None, buffer.view(buffer.shape[0], H, bs, -1), sub,
+                            output[a:b])
 
     def _attend_together(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
         """One kernel call over the layer's working-set buffer with the batch's

@@ -51,7 +51,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
 from kvreel.connector.retrieval.history import RequestHistory
 from kvreel.connector.retrieval.page_packing import PagePacking
-from kvreel.connector.retrieval.selection import choose_tokens, kept_tokens, narrows
+from kvreel.connector.retrieval.selection import choose_tokens_in_groups, kept_tokens, narrows
 from kvreel.connector.retrieval.working_set import WorkingSet
 from kvreel.connector.stats import KVReelStats, register_stats_source
 from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
@@ -85,6 +85,7 @@ class RetrievalRuntime:
         self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
         self.caches: dict[int, torch.Tensor] = {}  # layer -> the engine's cache [blocks, H, 2 bs, D]
         self.packing: PagePacking | None = None
+        self._scratch = torch.empty(0)
         self.resident_pages = 0
         self.max_batched_tokens = 0
         self.stats = KVReelStats()
@@ -221,9 +222,7 @@ class RetrievalRuntime:
         """The working set of this (request, layer) for this step: the sink block
         and the history tokens this step's own queries ``[H, R, D]`` want most
         (``choose_tokens``), written into its pages where they are not already."""
-        self.dre.take_labels(self.histories)
         hist = self.histories[req_id]
-        lh = hist.layers[layer]
         ws = self.working.get((req_id, layer))
         if ws is None:
             slot = self._slot(req_id)
@@ -231,17 +230,36 @@ class RetrievalRuntime:
                 self._slot_view(layer, slot), slot,
                 torch.full((self.heads, self.budget_pages * self.block_size), -1, dtype=torch.int64))
         if self.exact_for(hist):
-            ws.hold_in_order(lh)
+            ws.hold_in_order(hist.layers[layer])
             self.count("retrieval_steps", label="exact")
             return ws
+        ws.hold(hist.layers[layer], self.choose_in_groups(req_id, layer, queries, queries.shape[1])[0])
+        return ws
+
+    def choose_in_groups(self, req_id: str, layer: int, queries: torch.Tensor, group_rows: int) -> list[torch.Tensor]:
+        """For every run of ``group_rows`` of the query rows ``[H, R, D]`` (a group
+        of a prefill chunk's tokens), the history tokens it attends to ``[H, bs + m]``
+        (``choose_tokens_in_groups``); the DRE is asked to cluster a history it lacks."""
+        self.dre.take_labels(self.histories)
+        hist = self.histories[req_id]
+        lh = hist.layers[layer]
         clustered = self.clusters_for(hist)
         client = self.dre.client() if clustered else None
         if client is not None and not self.dre.holds(req_id, layer):                  # a new DRE: cluster anew
-            self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, ws)
-        ws.hold(lh, choose_tokens(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
-                                  self.cfg.retrieval_candidates, self.cfg.retrieval_narrowing))
-        self.count("retrieval_steps", label="dre_down" if clustered and client is None else "selected")
-        self.count("retrieval_history_blocks", hist.num_blocks)
-        self.count("retrieval_kept_blocks", ws.m)
-        return ws
+            self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, self.working.get((req_id, layer)))
+        chosen = choose_tokens_in_groups(lh, queries, group_rows, self.cfg.retrieval_alpha,
+                                         self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
+                                         self.cfg.retrieval_narrowing)
+        for tokens in chosen:
+            self.count("retrieval_steps", label="dre_down" if clustered and client is None else "selected")
+            self.count("retrieval_history_blocks", hist.num_blocks)
+            self.count("retrieval_kept_blocks", tokens.shape[1] // self.block_size)
+        return chosen
 
+    def scratch(self, pages: int) -> torch.Tensor:
+        """``pages`` cache pages ``[pages, H, 2 bs, D]`` for one kernel call's working
+        sets (a prefill chunk's groups), reused by every layer and step: kept, not
+        allocated per call (a large allocation is fresh memory to fault in)."""
+        if self._scratch.shape[0] < pages:
+            self._scratch = torch.empty(pages, self.heads, 2 * self.block_size, self.head_dim, dtype=self.dtype)
+        return self._scratch[:pages]

@@ -23,33 +23,76 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
     that order until every row holds ``alpha`` of its mass (WiCSum, per row) or
     ``count``; ``m`` is a whole number of pages (``unit`` tokens), the same for
     every head (the kernel's pages per row)."""
+    return select_in_groups(queries, keys, alpha, count, unit, queries.shape[1])[0]
+
+
+def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count: int, unit: int,
+                     group_rows: int) -> list[torch.Tensor]:
+    """``select_tokens`` for every run of ``group_rows`` query rows (a group of a
+    prefill chunk's tokens), each with its own rows only, in one pass over the
+    keys for all of them: per group, indices ``[H, m_g]``."""
     H, R, _ = queries.shape
+    groups = -(-R // group_rows)
     k = min(count, keys.shape[1])
     if k <= 0:
-        return torch.empty(H, 0, dtype=torch.int64, device=keys.device)
+        return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * groups
     q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
-    best = None
-    totals = []
-    for at in range(0, R, ROWS_AT_ONCE):           # a few rows at a time: the scores stay in the CPU's cache
-        logits = _scores(keys, q[:, at:at + ROWS_AT_ONCE]).float()
-        top_logit = logits.amax(-1, keepdim=True)
-        share = logits.sub_(top_logit).exp_()
-        total = share.sum(-1, keepdim=True)
-        rows_best = share.div_(total).amax(1)
-        best = rows_best if best is None else torch.maximum(best, rows_best)
-        totals.append(top_logit + total.log())
-    top = _top(best, k)                                                      # [H, k], best first
-    if alpha < 1:
-        if R <= ROWS_AT_ONCE:                      # one pass held every row's shares (decoding): read them
-            need = _tokens_for_alpha(share.gather(2, top.unsqueeze(1).expand(H, R, k)), alpha)
+    best = torch.empty(H, groups, keys.shape[1])          # per group, the largest log-share any of its rows gives
+    totals = torch.empty(H, R, 1)                         # per row, log of its softmax's denominator
+    passes = list(_passes(R, group_rows))
+    for a, b in passes:                # a few rows at a time: the scores stay in the CPU's cache
+        logits = _scores(keys, q[:, a:b]).float()
+        share = torch.log_softmax(logits, -1)             # one fused pass; ranks as the shares do
+        totals[:, a:b] = logits[..., :1] - share[..., :1]
+        g = a // group_rows
+        if b - a > group_rows:                                                   # whole groups
+            best[:, g:g + (b - a) // group_rows] = share.view(H, -1, group_rows, share.shape[-1]).amax(2)
+        elif a % group_rows == 0:                                                # a group, or its first rows
+            best[:, g] = share.amax(1)
         else:
-            chosen = rows_of(keys, top).transpose(1, 2)
-            need = 0
-            for at, total in zip(range(0, R, ROWS_AT_ONCE), totals):
-                taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()  # shares, best first
-                need = max(need, _tokens_for_alpha(taken, alpha))
-        k = min(k, max(unit, -(-need // unit) * unit))
-    return top[:, :k]
+            torch.maximum(best[:, g], share.amax(1), out=best[:, g])
+    top = _top(best.view(H * groups, -1), k).view(H, groups, k)                   # best first
+    if alpha >= 1:
+        return list(top.unbind(1))
+    if len(passes) == 1 and groups == 1:           # one pass held every row's shares (decoding): read them
+        need = [_tokens_for_alpha(share.gather(2, top[:, 0].unsqueeze(1).expand(H, R, k)).exp_(), alpha)]
+    else:
+        need = _tokens_for_alpha_in_groups(q, keys, top, totals, alpha, group_rows)
+    return [top[:, g, :min(k, max(unit, -(-n // unit) * unit))] for g, n in enumerate(need)]
+
+
+def _passes(rows: int, group_rows: int):
+    """Row ranges ``(a, b)`` scored together, about ``ROWS_AT_ONCE`` rows each:
+    whole groups, or part of one."""
+    if group_rows <= ROWS_AT_ONCE:
+        per, whole = ROWS_AT_ONCE // group_rows * group_rows, rows // group_rows * group_rows
+        yield from ((a, min(a + per, whole)) for a in range(0, whole, per))
+        if whole < rows:
+            yield whole, rows
+    else:
+        for g in range(0, rows, group_rows):
+            end = min(g + group_rows, rows)
+            yield from ((a, min(a + ROWS_AT_ONCE, end)) for a in range(g, end, ROWS_AT_ONCE))
+
+
+def _tokens_for_alpha_in_groups(q: torch.Tensor, keys: torch.Tensor, top: torch.Tensor, totals: torch.Tensor,
+                                alpha: float, group_rows: int) -> list[int]:
+    """Per group, how many of its tokens ``top`` ``[H, G, k]`` (best first) every one
+    of its rows needs to hold ``alpha`` of its mass; a few groups at a time (their
+    chosen keys are copied out)."""
+    H, G, k = top.shape
+    R = q.shape[1]
+    rows = torch.arange(G * group_rows).clamp_max(R - 1)        # the last group padded with its last row
+    q, totals = q[:, rows].view(H, G, group_rows, -1), totals[:, rows].view(H, G, group_rows, 1)
+    at_once = max(1, (1 << 22) // (H * group_rows * k))
+    need = []
+    for g in range(0, G, at_once):
+        e = min(g + at_once, G)
+        chosen = rows_of(keys, top[:, g:e].reshape(H, -1)).view(H * (e - g), k, -1)
+        taken = torch.bmm(q[:, g:e].reshape(H * (e - g), group_rows, -1), chosen.transpose(1, 2)).float()
+        taken = taken.view(H, e - g, group_rows, k).sub_(totals[:, g:e]).exp_()
+        need += ((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).amax((0, 2)).tolist()
+    return need
 
 
 def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
@@ -99,11 +142,23 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     is at least twice ``candidates x count``, among that many that ``narrowing``
     ranks best: the DRE's ``clusters`` (by centroid) or the blocks' key bounds
     (``pages``)."""
+    return choose_tokens_in_groups(lh, queries, queries.shape[1], alpha, count, candidates, narrowing)[0]
+
+
+def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows: int, alpha: float, count: int,
+                            candidates: int, narrowing: str = "clusters") -> list[torch.Tensor]:
+    """``choose_tokens`` for every run of ``group_rows`` query rows, each group
+    selecting with its own rows only, all in one pass over the scored keys.
+    Narrowing ranks by the largest share any row of the chunk gives (so a row
+    looking for a needle brings its cluster or block in, whatever the others want)."""
     bs = lh.block_size
     if narrows(candidates, count, lh.num_tokens - bs):
         scored = lh.page_candidates(queries, candidates * count) if narrowing == "pages" else \
             lh.candidates(queries, candidates * count)
-        chosen = scored.gather(1, select_tokens(queries, rows_of(lh.keys, scored), alpha, count, bs))
+        chosen = [scored.gather(1, c) for c in select_in_groups(queries, rows_of(lh.keys, scored), alpha, count,
+                                                                bs, group_rows)]
     else:
-        chosen = select_tokens(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs) + bs
-    return torch.cat([torch.arange(bs).expand(lh.heads, -1), chosen], 1)
+        chosen = [c + bs for c in select_in_groups(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs,
+                                                   group_rows)]
+    sink = torch.arange(bs).expand(lh.heads, -1)
+    return [torch.cat([sink, c], 1) for c in chosen]

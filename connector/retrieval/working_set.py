@@ -31,7 +31,7 @@ class WorkingSet:
         n = lh.num_tokens
         want = torch.arange(n)
         heads, slots = torch.nonzero(self.held[:, :n] != want, as_tuple=True)
-        self._write(lh, heads, slots, slots)
+        write_history_tokens(self.buffer, lh, heads, slots, slots)
         self.held[:, :n] = want
         self.held[:, n:] = -1
         self.m = n // lh.block_size
@@ -51,15 +51,30 @@ class WorkingSet:
         kept[(held + at)[stays]] = True
         heads, slots = torch.nonzero(~stays, as_tuple=True)           # per head, as many as its new tokens
         tokens = want[~kept[want + at]]
-        self._write(lh, heads, slots, tokens)
+        write_history_tokens(self.buffer, lh, heads, slots, tokens)
         self.held[heads, slots] = tokens
         self.held[:, n:] = -1
         self.m = n // lh.block_size
 
-    def _write(self, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        if heads.numel():
-            bs = lh.block_size
-            rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
-            lh.packing.write_tokens(self.buffer, slots // bs, heads, slots % bs,
-                                    lh.keys.view(-1, lh.head_dim).index_select(0, rows),
-                                    lh.values.view(-1, lh.head_dim).index_select(0, rows))
+
+def write_history_tokens(pages: torch.Tensor, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor,
+                         tokens: torch.Tensor) -> None:
+    """History tokens ``tokens`` of ``heads`` into ``pages`` at page positions
+    ``slots`` (page ``slot // bs``, position ``slot % bs``), all ``[n]``."""
+    if heads.numel():
+        bs = lh.block_size
+        rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
+        lh.packing.write_tokens(pages, slots // bs, heads, slots % bs,
+                                lh.keys.view(-1, lh.head_dim).index_select(0, rows),
+                                lh.values.view(-1, lh.head_dim).index_select(0, rows))
+
+
+def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Tensor) -> None:
+    """History tokens ``tokens`` ``[H, N]`` (per head; N a whole number of pages)
+    into the first ``N / bs`` of ``pages``, position by position, with vLLM's own
+    packing op (a whole page run: no per-token scatter)."""
+    H, n = tokens.shape
+    rows = (tokens + torch.arange(H).unsqueeze(1) * lh.keys.shape[1]).T.flatten()     # [n, H] order
+    k = lh.keys.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1)
+    v = lh.values.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1)
+    lh.packing.pack(k, v, pages, torch.arange(n))
