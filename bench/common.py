@@ -24,10 +24,12 @@ RESULTS = Path(__file__).parent / "results"
 EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def engine_env(env: dict | None = None) -> dict[str, str]:
-    """The environment of a benchmarked engine: this one, the equal CPU split
-    unless the shell set its own, and ``env`` over both."""
-    return {**EQUAL_CPU_SPLIT, **os.environ, **(env or {})}
+def engine_env(env: dict | None = None, shell_kvreel: bool = True) -> dict[str, str]:
+    """The environment of a benchmarked engine: this one (without its ``KVREEL_*``
+    settings unless ``shell_kvreel``), the equal CPU split unless the shell set its
+    own, and ``env`` over both."""
+    shell = {k: v for k, v in os.environ.items() if shell_kvreel or not k.startswith("KVREEL_")}
+    return {**EQUAL_CPU_SPLIT, **shell, **(env or {})}
 
 
 def equal_cpu_split() -> None:
@@ -302,9 +304,7 @@ def engine_in_subprocess(script: str, args: dict, env: dict, timeout: float) -> 
     process, kvreel's settings only from ``env``) and return what it printed
     with ``report``; ``{"error": output tail}`` when it printed nothing."""
     import subprocess
-    full_env = {k: v for k, v in engine_env().items() if not k.startswith("KVREEL_")}
-    full_env.update(env)
-    out = subprocess.run([sys.executable, script, "--engine", json.dumps(args)], env=full_env,
+    out = subprocess.run([sys.executable, script, "--engine", json.dumps(args)], env=engine_env(env, False),
                          capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:

@@ -204,10 +204,11 @@ SETTINGS: tuple[Setting, ...] = (
             "pages (every block ranked by the most its keys could score with the step's queries, from their "
             "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
             _one_of("clusters", "pages")),
-    _int_setting("RETRIEVAL_ROWS_PER_SET", 64, "A long request's query rows (a prefill chunk's tokens) that share "
+    _int_setting("RETRIEVAL_ROWS_PER_SET", 8, "A long request's query rows (a prefill chunk's tokens) that share "
                  "one working set: a chunk's rows are attended to in groups this size, each with the history its "
                  "own queries select, so a question inside a chunk finds its needle. Smaller: closer to per-token "
-                 "selection, one more kernel call per group.", 1, 1 << 20),
+                 "selection; larger: a faster prefill (every group's working set is copied out for the kernel).",
+                 1, 1 << 20),
     _int_setting("RETRIEVAL_BUDGET_TOKENS", 4096, "Working set per long request and layer: the most history "
                  "tokens (sink block included) attended to in one step, whatever the share; held in kvreel's "
                  "buffer beside vLLM's cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),

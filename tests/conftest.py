@@ -58,9 +58,8 @@ def run_scenario(args: dict, timeout: int = 600) -> dict:
         # engine keeps the same core back (the benchmarks' engine_env) so a
         # comparison differs only in kvreel.
         from bench.common import engine_env
-        env = {k: v for k, v in engine_env().items() if not k.startswith("KVREEL_")}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.update(args.get("env", {}))            # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
+        env = engine_env({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                          **args.get("env", {})}, False)      # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
         proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), "scenario", json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():

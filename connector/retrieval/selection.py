@@ -29,70 +29,55 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
 def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count: int, unit: int,
                      group_rows: int) -> list[torch.Tensor]:
     """``select_tokens`` for every run of ``group_rows`` query rows (a group of a
-    prefill chunk's tokens), each with its own rows only, in one pass over the
-    keys for all of them: per group, indices ``[H, m_g]``."""
+    prefill chunk's tokens), each with its own rows only: per group, indices
+    ``[H, m_g]``. Rows are scored about ``ROWS_AT_ONCE`` at a time (so the scores
+    stay in the CPU's cache): small groups several to a pass, each cut by WiCSum
+    from the shares its pass holds; a larger group over several passes."""
     H, R, _ = queries.shape
-    groups = -(-R // group_rows)
     k = min(count, keys.shape[1])
     if k <= 0:
-        return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * groups
+        return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * -(-R // group_rows)
     q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
-    best = torch.empty(H, groups, keys.shape[1])          # per group, the largest log-share any of its rows gives
-    totals = torch.empty(H, R, 1)                         # per row, log of its softmax's denominator
-    passes = list(_passes(R, group_rows))
-    for a, b in passes:                # a few rows at a time: the scores stay in the CPU's cache
-        logits = _scores(keys, q[:, a:b]).float()
-        share = torch.log_softmax(logits, -1)             # one fused pass; ranks as the shares do
-        totals[:, a:b] = logits[..., :1] - share[..., :1]
-        g = a // group_rows
-        if b - a > group_rows:                                                   # whole groups
-            best[:, g:g + (b - a) // group_rows] = share.view(H, -1, group_rows, share.shape[-1]).amax(2)
-        elif a % group_rows == 0:                                                # a group, or its first rows
-            best[:, g] = share.amax(1)
-        else:
-            torch.maximum(best[:, g], share.amax(1), out=best[:, g])
-    top = _top(best.view(H * groups, -1), k).view(H, groups, k)                   # best first
+    if group_rows > ROWS_AT_ONCE:
+        return [_select_over_passes(q[:, a:a + group_rows], keys, alpha, k, unit) for a in range(0, R, group_rows)]
+    per_pass = ROWS_AT_ONCE // group_rows * group_rows
+    chosen = []
+    for a in range(0, R, per_pass):
+        share = torch.log_softmax(_scores(keys, q[:, a:a + per_pass]).float(), -1)       # [H, rows, n], fused
+        for g in range(0, share.shape[1], group_rows):
+            rows = share[:, g:g + group_rows]
+            top = _top(rows.amax(1), k)                                                  # [H, k], best first
+            if alpha < 1:
+                need = _tokens_for_alpha(rows.gather(2, top.unsqueeze(1).expand(H, rows.shape[1], k)).exp_(), alpha)
+                top = top[:, :_whole_pages(need, k, unit)]
+            chosen.append(top)
+    return chosen
+
+
+def _select_over_passes(q: torch.Tensor, keys: torch.Tensor, alpha: float, k: int, unit: int) -> torch.Tensor:
+    """One group of more than ``ROWS_AT_ONCE`` rows (scaled ``q`` ``[H, R, D]``):
+    the best share per token over passes, then the WiCSum cut from the chosen
+    keys' scores (the passes' shares are gone)."""
+    best, totals = None, []
+    for at in range(0, q.shape[1], ROWS_AT_ONCE):
+        logits = _scores(keys, q[:, at:at + ROWS_AT_ONCE]).float()
+        share = torch.log_softmax(logits, -1)
+        totals.append(logits[..., :1] - share[..., :1])                 # per row, log of the softmax's denominator
+        best = share.amax(1) if best is None else torch.maximum(best, share.amax(1))
+    top = _top(best, k)
     if alpha >= 1:
-        return list(top.unbind(1))
-    if len(passes) == 1 and groups == 1:           # one pass held every row's shares (decoding): read them
-        need = [_tokens_for_alpha(share.gather(2, top[:, 0].unsqueeze(1).expand(H, R, k)).exp_(), alpha)]
-    else:
-        need = _tokens_for_alpha_in_groups(q, keys, top, totals, alpha, group_rows)
-    return [top[:, g, :min(k, max(unit, -(-n // unit) * unit))] for g, n in enumerate(need)]
+        return top
+    chosen = rows_of(keys, top).transpose(1, 2)
+    need = 0
+    for at, total in zip(range(0, q.shape[1], ROWS_AT_ONCE), totals):
+        taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()     # shares, best first
+        need = max(need, _tokens_for_alpha(taken, alpha))
+    return top[:, :_whole_pages(need, k, unit)]
 
 
-def _passes(rows: int, group_rows: int):
-    """Row ranges ``(a, b)`` scored together, about ``ROWS_AT_ONCE`` rows each:
-    whole groups, or part of one."""
-    if group_rows <= ROWS_AT_ONCE:
-        per, whole = ROWS_AT_ONCE // group_rows * group_rows, rows // group_rows * group_rows
-        yield from ((a, min(a + per, whole)) for a in range(0, whole, per))
-        if whole < rows:
-            yield whole, rows
-    else:
-        for g in range(0, rows, group_rows):
-            end = min(g + group_rows, rows)
-            yield from ((a, min(a + ROWS_AT_ONCE, end)) for a in range(g, end, ROWS_AT_ONCE))
-
-
-def _tokens_for_alpha_in_groups(q: torch.Tensor, keys: torch.Tensor, top: torch.Tensor, totals: torch.Tensor,
-                                alpha: float, group_rows: int) -> list[int]:
-    """Per group, how many of its tokens ``top`` ``[H, G, k]`` (best first) every one
-    of its rows needs to hold ``alpha`` of its mass; a few groups at a time (their
-    chosen keys are copied out)."""
-    H, G, k = top.shape
-    R = q.shape[1]
-    rows = torch.arange(G * group_rows).clamp_max(R - 1)        # the last group padded with its last row
-    q, totals = q[:, rows].view(H, G, group_rows, -1), totals[:, rows].view(H, G, group_rows, 1)
-    at_once = max(1, (1 << 22) // (H * group_rows * k))
-    need = []
-    for g in range(0, G, at_once):
-        e = min(g + at_once, G)
-        chosen = rows_of(keys, top[:, g:e].reshape(H, -1)).view(H * (e - g), k, -1)
-        taken = torch.bmm(q[:, g:e].reshape(H * (e - g), group_rows, -1), chosen.transpose(1, 2)).float()
-        taken = taken.view(H, e - g, group_rows, k).sub_(totals[:, g:e]).exp_()
-        need += ((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).amax((0, 2)).tolist()
-    return need
+def _whole_pages(need: int, k: int, unit: int) -> int:
+    """``need`` tokens rounded up to whole pages of ``unit``, at least one, at most ``k``."""
+    return min(k, max(unit, -(-need // unit) * unit))
 
 
 def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
