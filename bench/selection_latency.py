@@ -9,9 +9,11 @@ tokens and clusters there are, not on what they say). The history goes
 through the served path: ``RetrievalRuntime.add_history`` (pages unpacked,
 keys sent to a DRE process the runtime starts itself, labels back), then
 ``RetrievalRuntime.working_set`` at the default budget (1/8 of the history, at
-most 4 096 tokens), timed for a decode step (one query token) and one
-group of a prefill chunk (64 tokens, ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a
-512-token chunk makes eight such choices per layer). Per history length:
+most 4 096 tokens), timed for a decode step (one query token) and 64
+rows of a prefill chunk in one working set (``KVREEL_RETRIEVAL_ROWS_PER_SET=64``,
+its default until commit 8ccebf6: a 512-token chunk makes eight such choices per
+layer; the default is 8 rows now, chosen several groups to a scoring pass by
+``select_in_groups``, which this does not time). Per history length:
 
 * ``served``: the default ``KVREEL_RETRIEVAL_CANDIDATES`` (8: from twice 8x
   the budget on, the DRE's clusters narrow which tokens are scored exactly);
