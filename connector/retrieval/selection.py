@@ -133,7 +133,7 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
 def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows: int, alpha: float, count: int,
                             candidates: int, narrowing: str = "clusters") -> list[torch.Tensor]:
     """``choose_tokens`` for every run of ``group_rows`` query rows, each group
-    selecting with its own rows only, all in one pass over the scored keys.
+    selecting with its own rows only (``select_in_groups``).
     Narrowing ranks by the largest share any row of the chunk gives (so a row
     looking for a needle brings its cluster or block in, whatever the others want)."""
     bs = lh.block_size

@@ -31,7 +31,7 @@ class WorkingSet:
         n = lh.num_tokens
         want = torch.arange(n)
         heads, slots = torch.nonzero(self.held[:, :n] != want, as_tuple=True)
-        write_history_tokens(self.buffer, lh, heads, slots, slots)
+        self._write(lh, heads, slots, slots)
         self.held[:, :n] = want
         self.held[:, n:] = -1
         self.m = n // lh.block_size
@@ -51,23 +51,19 @@ class WorkingSet:
         kept[(held + at)[stays]] = True
         heads, slots = torch.nonzero(~stays, as_tuple=True)           # per head, as many as its new tokens
         tokens = want[~kept[want + at]]
-        write_history_tokens(self.buffer, lh, heads, slots, tokens)
+        self._write(lh, heads, slots, tokens)
         self.held[heads, slots] = tokens
         self.held[:, n:] = -1
         self.m = n // lh.block_size
 
 
-def write_history_tokens(pages: torch.Tensor, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor,
-                         tokens: torch.Tensor) -> None:
-    """History tokens ``tokens`` of ``heads`` into ``pages`` at page positions
-    ``slots`` (page ``slot // bs``, position ``slot % bs``), all ``[n]``."""
-    if heads.numel():
-        bs = lh.block_size
-        rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
-        lh.packing.write_tokens(pages, slots // bs, heads, slots % bs,
-                                lh.keys.view(-1, lh.head_dim).index_select(0, rows),
-                                lh.values.view(-1, lh.head_dim).index_select(0, rows))
-
+    def _write(self, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        if heads.numel():
+            bs = lh.block_size
+            rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
+            lh.packing.write_tokens(self.buffer, slots // bs, heads, slots % bs,
+                                    lh.keys.view(-1, lh.head_dim).index_select(0, rows),
+                                    lh.values.view(-1, lh.head_dim).index_select(0, rows))
 
 def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Tensor) -> None:
     """History tokens ``tokens`` ``[H, N]`` (per head; N a whole number of pages)
