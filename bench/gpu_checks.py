@@ -154,8 +154,12 @@ def selection_bench() -> dict:
     the same queries over the whole history (SDPA). One layer shaped like a
     Llama-3-8B (8 KV heads, 4 query heads each, head_dim 128), bf16, random
     keys (the cost depends on sizes, not contents); a decode step (1 query
-    row) and a prefill chunk (512 rows). Median of 20 after 3 warm-ups."""
-    from kvreel.connector.retrieval.selection import select_tokens
+    row), a prefill chunk (512 rows) as one group, and the same chunk in the
+    served default's groups (``KVREEL_RETRIEVAL_ROWS_PER_SET``). Median of 20
+    after 3 warm-ups."""
+    from kvreel.connector.config import SETTINGS_BY_NAME
+    from kvreel.connector.retrieval.selection import select_in_groups, select_tokens
+    group_rows = SETTINGS_BY_NAME["RETRIEVAL_ROWS_PER_SET"].default
     H, G, D = 8, 4, 128
     out = {}
 
@@ -178,6 +182,10 @@ def selection_bench() -> dict:
                 q.view(H, G, rows, D).transpose(0, 1), keys.unsqueeze(0).expand(G, -1, -1, -1),
                 values.unsqueeze(0).expand(G, -1, -1, -1)))
             out[f"{tokens}_tokens_{rows}_rows"] = {"select_ms": round(sel, 3), "full_attention_ms": round(full, 3)}
+            if rows > group_rows:
+                # a group is ``group_rows`` query tokens, so G rows per token per KV head
+                grouped = timed(lambda: select_in_groups(q, keys, 0.9, tokens // 8, 128, G * group_rows))
+                out[f"{tokens}_tokens_{rows}_rows"][f"select_in_groups_of_{group_rows}_tokens_ms"] = round(grouped, 3)
     return out
 
 
