@@ -152,6 +152,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="back-to-back runs of every engine (medians reported)")
     ap.add_argument("--method", default="resv")
     ap.add_argument("--env", default="", help="more KVREEL_* settings for the retrieval engine, NAME=VALUE,...")
+    ap.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="another retrieval engine with these settings beside the first (repeatable)")
     ap.add_argument("--name", default="long_session")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -170,7 +172,7 @@ def main() -> None:
     common = {"model": a.model, "prompts": str(work / "prompts.json"), "chunk": a.chunk, "decode": a.decode,
               "max_model_len": longest + a.decode + 64,
               "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
-    extra = dict(kv.split("=", 1) for kv in a.env.split(",") if kv)
+    extra = _settings(a.env)
     small = {"blocks": a.blocks, "kvreel": {"cpu_bytes": "2GiB"}}
     runs = {
         "vLLM, cache holds every session (full attention)": {**common, "lengths": [a.short] + lengths},
@@ -182,6 +184,11 @@ def main() -> None:
         f"vLLM + kvreel, retrieval off, {a.blocks}-block cache": {**common, **small, "lengths": [a.short],
                                                                  "max_model_len": (a.blocks - 1) * 32},
     }
+    compared = {f"vLLM + kvreel {a.method} ({other}), {a.blocks}-block cache": {
+        **common, **small, "lengths": lengths,
+        "env": {**common["env"], "KVREEL_RETRIEVAL": a.method, **extra, **_settings(other)}}
+        for other in a.compare_env}
+    runs.update(compared)
     results = {}
     for label, args in runs.items():
         each = []
@@ -193,7 +200,7 @@ def main() -> None:
             print(json.dumps(got)[:1500], flush=True)
             each.append(got)
         results[label] = {"rows": median_rows(each), "each_run": each}
-    full, _, reel, off = (results[k] for k in runs)
+    full, _, reel, off = (results[k] for k in list(runs)[:4])
     defaults = KVReelConfig.load(env={"KVREEL_RETRIEVAL": a.method, **extra})
     ws = working_set_mib(a.model, defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk)
     paged = a.blocks * block_mib(a.model)
@@ -213,6 +220,13 @@ def main() -> None:
         "kvreel_ttft_over_full_attention": {n: tp[n]["ttft_s"] / fp[n]["ttft_s"] for n in lengths
                                             if n in tp and n in fp},
     }
+    for label in compared:
+        other = {r["tokens"]: r for r in results[label]["rows"] if "ttft_s" in r}
+        summary.setdefault("compared", {})[label] = {
+            "ttft_over_full_attention": {n: other[n]["ttft_s"] / fp[n]["ttft_s"] for n in lengths
+                                         if n in other and n in fp},
+            "tpot_over_full_attention": {n: other[n]["tpot_ms"] / fp[n]["tpot_ms"] for n in lengths
+                                         if n in other and n in fp}}
     summary["capacity_ratio"] = summary["tokens_per_engine_kv_mib"]["kvreel"] / \
         summary["tokens_per_engine_kv_mib"]["vllm_small_cache"]
     short_on = tp.get(a.short)
@@ -220,7 +234,7 @@ def main() -> None:
     if short_on and short_off:
         summary["short_request_tpot_retrieval_on_over_off"] = short_on["tpot_ms"] / short_off["tpot_ms"]
     settings = {k: getattr(a, k) for k in ("lengths", "short", "blocks", "chunk", "decode", "repeats", "method",
-                                           "env")}
+                                           "env", "compare_env")}
     settings["kvreel"] = {k: getattr(defaults, k) for k in vars(defaults) if k.startswith("retrieval")}
     settings["dre_pinning"] = ("none: the DRE service, when a history needs it, shares the engine's cores "
                                "(started by the worker with one torch thread at nice 10)")
@@ -229,6 +243,11 @@ def main() -> None:
                          "summary": summary, "runs": results})
     print(f"wrote {path}")
     _plots(a, runs, results, [a.short] + lengths)
+
+
+def _settings(text: str) -> dict[str, str]:
+    """``NAME=VALUE,...`` as a dict."""
+    return dict(kv.split("=", 1) for kv in text.split(",") if kv)
 
 
 def _plots(a, runs, results, lengths) -> None:

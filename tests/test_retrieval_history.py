@@ -180,17 +180,18 @@ def test_groups_selected_together_choose_what_each_would_alone(rows, group_rows)
 
 @pytest.mark.parametrize("native", [False, True])
 def test_16bit_keys_are_scored_in_float32_where_the_cpu_lacks_16bit_products(monkeypatch, native):
-    """Without hardware bf16 products the keys are converted once and scored in
-    float32 (the choice is then that of the same keys given as float32); with
-    them the keys are scored as they are."""
+    """Without hardware bf16 products the keys are scored in float32, a block of
+    keys converted at a time (the choice is that of the same keys given as
+    float32); with them the keys are scored as they are."""
     from kvreel.connector.retrieval import selection
     monkeypatch.setattr(selection, "_native_half_products", lambda: native)
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(H, 640, D, generator=g).to(torch.bfloat16)
     queries = (torch.randn(H, 40, D, generator=g) * 2).to(torch.bfloat16)
-    assert (selection._scoring_keys(keys).dtype == torch.float32) is not native
-    assert selection._scoring_keys(keys.float()).dtype == torch.float32
+    assert (selection._scoring_dtype(keys) == torch.float32) is not native
+    assert selection._scoring_dtype(keys.float()) == torch.float32
     if not native:
+        monkeypatch.setattr(selection, "SCORE_BLOCK", 100)        # several blocks, a short last one
         for alpha, group_rows in ((0.9, 8), (0.9, 40), (1.0, 16)):
             half = selection.select_in_groups(queries, keys, alpha, 256, BS, group_rows)
             full = selection.select_in_groups(queries.float(), keys.float(), alpha, 256, BS, group_rows)

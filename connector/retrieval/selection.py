@@ -38,8 +38,7 @@ def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, co
     k = min(count, keys.shape[1])
     if k <= 0:
         return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * -(-R // group_rows)
-    keys = _scoring_keys(keys)
-    q = queries.to(keys.dtype) * queries.shape[-1] ** -0.5
+    q = queries.to(_scoring_dtype(keys)) * queries.shape[-1] ** -0.5
     if group_rows > ROWS_AT_ONCE:
         return [_select_over_passes(q[:, a:a + group_rows], keys, alpha, k, unit) for a in range(0, R, group_rows)]
     per_pass = ROWS_AT_ONCE // group_rows * group_rows
@@ -69,7 +68,7 @@ def _select_over_passes(q: torch.Tensor, keys: torch.Tensor, alpha: float, k: in
     top = _top(best, k)
     if alpha >= 1:
         return top
-    chosen = rows_of(keys, top).transpose(1, 2)
+    chosen = rows_of(keys, top).to(q.dtype).transpose(1, 2)
     need = 0
     for at, total in zip(range(0, q.shape[1], ROWS_AT_ONCE), totals):
         taken = torch.bmm(q[:, at:at + ROWS_AT_ONCE], chosen).float().sub_(total).exp_()     # shares, best first
@@ -94,25 +93,31 @@ def _native_half_products() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def _scoring_keys(keys: torch.Tensor) -> torch.Tensor:
-    """The keys to score in: 16-bit keys on a CPU without 16-bit products are
-    converted to float32 once per call. torch's bf16 products there run 10-20x
-    slower than float32's (a 512-row chunk over 16 K keys on an AVX2 core: 0.12 s
-    a head-pair in bf16, 9 ms converting first), and a float32 score is no worse."""
+def _scoring_dtype(keys: torch.Tensor) -> torch.dtype:
+    """float32 for 16-bit keys on a CPU without 16-bit products: torch's bf16
+    products there run 10-20x slower than converting the keys and multiplying in
+    float32 (a 512-row chunk over 16 K keys on an AVX2 core: 0.12 s a head pair
+    in bf16, 9 ms converting first); a float32 score is no worse."""
     if keys.dtype in (torch.bfloat16, torch.float16) and keys.device.type == "cpu" and not _native_half_products():
-        return keys.float()
-    return keys
+        return torch.float32
+    return keys.dtype
+
+
+SCORE_BLOCK = 4096           # keys converted at a time: small blocks reuse the allocator's memory
 
 
 def _scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``q . k`` ``[H, r, n]`` for keys ``[H, n, D]`` and rows ``[H, r, D]``, one
-    matrix product per head: the history's keys are a slice of a larger buffer,
-    and ``bmm`` over such a slice copies every key first (2x slower for 64 K
-    keys on this CPU). A few rows (decoding) multiply ``q . k^T``; many (a
-    prefill chunk's), ``k . q^T`` (the faster order for each here)."""
-    if q.shape[1] <= 8:
-        return torch.stack([torch.mm(q[h], keys[h].T) for h in range(keys.shape[0])])
-    return torch.stack([torch.mm(keys[h], q[h].T) for h in range(keys.shape[0])]).transpose(1, 2)
+    batched product, rows by keys (each row's scores contiguous for the softmax).
+    Keys of another dtype than ``q``'s are converted a block at a time: one copy
+    of every key at once is a fresh allocation each step, and its page faults
+    cost more than the product (64 K keys: 27 ms against 9 ms)."""
+    if keys.dtype == q.dtype:
+        return torch.bmm(q, keys.transpose(1, 2))
+    out = torch.empty(q.shape[0], q.shape[1], keys.shape[1], dtype=q.dtype, device=q.device)
+    for a in range(0, keys.shape[1], SCORE_BLOCK):
+        torch.bmm(q, keys[:, a:a + SCORE_BLOCK].to(q.dtype).transpose(1, 2), out=out[:, :, a:a + SCORE_BLOCK])
+    return out
 
 
 def _top(score: torch.Tensor, k: int) -> torch.Tensor:
