@@ -128,7 +128,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             tokens = torch.cat(groups, 1)                                     # [H, the groups' pages x bs]
             first = tokens.shape[1] // bs
             buffer = rt.scratch(first + len(resident))
-            buffer[first:] = pages.index_select(0, resident)
+            torch.index_select(pages, 0, resident, out=buffer[first:])
             write_history_pages(buffer, lh, tokens)
             m = [c.shape[1] // bs for c in groups]
             a, b = start + g0 * per_set, min(start + (g0 + len(groups)) * per_set, end)
@@ -183,11 +183,11 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         for r, ws, resident, tail in plans:
             m, n = ws.m, len(resident)
             if scratch is None:
-                ws.buffer[m:m + n] = pages.index_select(0, resident)
+                torch.index_select(pages, 0, resident, out=ws.buffer[m:m + n])
                 start = ws.slot * width
             else:
                 scratch[at:at + m] = ws.buffer[:m]
-                scratch[at + m:at + m + n] = pages.index_select(0, resident)
+                torch.index_select(pages, 0, resident, out=scratch[at + m:at + m + n])
                 start, at = at, at + m + n
             seq_lens[r] = m * bs + tail
             table[r, :m + n] = torch.arange(start, start + m + n, dtype=table.dtype)
