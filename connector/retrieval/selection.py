@@ -89,8 +89,10 @@ def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
 
 @functools.cache
 def _native_half_products() -> bool:
-    """Whether this CPU multiplies 16-bit floats in hardware (AVX512-BF16 or AMX)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """Whether this CPU multiplies 16-bit floats in hardware (AVX512-BF16 or AMX);
+    torch's probes are private, so a torch without them counts as without."""
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(probe() for probe in probes if probe is not None)
 
 
 def _scoring_dtype(keys: torch.Tensor) -> torch.dtype:
