@@ -9,11 +9,12 @@ tokens and clusters there are, not on what they say). The history goes
 through the served path: ``RetrievalRuntime.add_history`` (pages unpacked,
 keys sent to a DRE process the runtime starts itself, labels back), then
 ``RetrievalRuntime.working_set`` at the default budget (1/8 of the history, at
-most 4 096 tokens), timed for a decode step (one query token) and 64
-rows of a prefill chunk in one working set (``KVREEL_RETRIEVAL_ROWS_PER_SET=64``,
-its default until commit 8ccebf6: a 512-token chunk makes eight such choices per
-layer; the default is 8 rows now, chosen several groups to a scoring pass by
-``select_in_groups``, which this does not time). Per history length:
+most 4 096 tokens), timed for a decode step (one query token), and
+``RetrievalRuntime.choose_in_groups`` for a 512-token prefill chunk in the
+default's groups (``KVREEL_RETRIEVAL_ROWS_PER_SET`` tokens each, several groups
+to a scoring pass; the choice only, not the writing of the groups' pages).
+Every figure is the median of ``--repeat`` steps, measured in ``--rounds``
+rounds; the JSON holds each round and their median. Per history length:
 
 * ``served``: the default ``KVREEL_RETRIEVAL_CANDIDATES`` (8: from twice 8x
   the budget on, the DRE's clusters narrow which tokens are scored exactly);
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 from kvreel.connector.retrieval.selection import narrows  # noqa: E402
 
-H, G, D, BLOCK, CHUNK, GROUP = 2, 3, 64, 128, 512, 64
+H, G, D, BLOCK, CHUNK = 2, 3, 64, 128, 512
 
 
 def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +83,19 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times) * 1000
 
 
+def rounds(row: dict, key: str, fn, a) -> None:
+    """``row[key]``: the median over ``a.rounds`` rounds of ``timed(fn)``, each round beside it."""
+    each = [timed(fn, a.repeat) for _ in range(a.rounds)]
+    row[key] = statistics.median(each)
+    row[key + " each round"] = each
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--method", default="resv", choices=("resv", "mosaic"))
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--page-candidates", type=int, default=2,
                     help="KVREEL_RETRIEVAL_CANDIDATES of the KVREEL_RETRIEVAL_NARROWING=pages runtime")
     a = ap.parse_args()
@@ -99,8 +108,8 @@ def main() -> None:
         pages = torch.zeros(T // BLOCK, H, 2 * BLOCK, D, dtype=torch.bfloat16)
         packing.pack(k, v, pages, torch.arange(T))
         g = torch.Generator().manual_seed(T)
-        q_group = torch.randn(H, GROUP * G, D, generator=g)
-        q_decode = q_group[:, :G]
+        q_chunk = torch.randn(H, CHUNK * G, D, generator=g)
+        q_decode = q_chunk[:, :G]
         row = {"history_tokens": T}
         for name, rt in runtimes.items():
             req = f"T{T}"
@@ -123,30 +132,32 @@ def main() -> None:
                 row["dre_extend_ms"] = (time.perf_counter() - t0) * 1000
             row[f"{name}: narrowed"] = narrows(rt.cfg.retrieval_candidates, rt.kept_tokens(hist.num_blocks),
                                                            lh.num_tokens - BLOCK)      # the rule choose_tokens applies
-            for step, q in (("decode", q_decode), ("group", q_group)):
-                row[f"{name} {step} ms"] = timed(lambda: rt.working_set(req, 0, q), a.repeat)
+            per_set = rt.cfg.retrieval_rows_per_set * G
+            for step, fn in (("decode", lambda: rt.working_set(req, 0, q_decode)),
+                             ("chunk", lambda: rt.choose_in_groups(req, 0, q_chunk, per_set))):
+                rounds(row, f"{name} {step} ms", fn, a)
             row["kept_tokens"] = rt.working[req, 0].m * BLOCK
             rt.drop(req)
         keys = k.transpose(0, 1).float().unsqueeze(0)
         values = v.transpose(0, 1).float().unsqueeze(0)
-        for step, q in (("decode", q_decode), ("group", q_group)):
+        for step, q in (("decode", q_decode), ("chunk", q_chunk)):
             queries = q.reshape(H * G, -1, D).unsqueeze(0) if step == "decode" else \
-                q.view(H, GROUP, G, D).permute(0, 2, 1, 3).reshape(1, H * G, GROUP, D)
-            row[f"full attention {step} ms"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-                queries, keys, values, enable_gqa=True), a.repeat)
+                q.view(H, CHUNK, G, D).permute(0, 2, 1, 3).reshape(1, H * G, CHUNK, D)
+            rounds(row, f"full attention {step} ms", lambda: torch.nn.functional.scaled_dot_product_attention(
+                queries, keys, values, enable_gqa=True), a)
         rows.append(row)
         print(row, flush=True)
     name = "selection_latency" + ("_mosaic" if a.method == "mosaic" else "")
     settings = {"method": a.method, "kv_heads": H, "query_heads_per_kv": G, "head_dim": D, "block_size": BLOCK,
-                "prefill_group_rows": GROUP, "repeat": a.repeat, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
+                "prefill_chunk_tokens": CHUNK, "repeat": a.repeat, "rounds": a.rounds, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
                 "dre": "a process started by the runtime (one torch thread, nice 10), as served"}
     path = save(name, {"settings": settings, "rows": rows, "packing_isa": packing.isa})
     x = [r["history_tokens"] for r in rows]
     series = {f"{n} {s}": [r[f"{n} {s} ms"] for r in rows]
-              for s in ("decode", "group") for n in (*runtimes, "full attention")}
+              for s in ("decode", "chunk") for n in (*runtimes, "full attention")}
     plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
                f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
-               f"2-core x86 CPU; one run, each point the median of {a.repeat} steps)", logy=True)
+               f"2-core x86 CPU; each point the median of {a.rounds} rounds of {a.repeat} steps)", logy=True)
     print(f"wrote {path}")
 
 
