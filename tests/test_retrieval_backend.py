@@ -187,15 +187,20 @@ def test_each_step_attends_to_what_its_own_queries_select(setup):
     assert runtime.take_stats().data["retrieval_steps|selected"] == 3
 
 
-def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setup, monkeypatch):
+@pytest.mark.parametrize("one_group_per_call", [False, True])
+def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setup, monkeypatch, one_group_per_call):
     """A long request's prefill chunk is attended to in groups of
     ``KVREEL_RETRIEVAL_ROWS_PER_SET`` rows, each with the history its own
     queries select: groups asking for different needles each get theirs, and
     every row's output is attention over its group's working set, then the
-    resident tokens up to its own position."""
+    resident tokens up to its own position; also where the scratch bound
+    leaves room for one group per kernel call."""
     import dataclasses
 
+    from kvreel.connector.retrieval import attention_backend
     from kvreel.connector.retrieval.page_packing import PagePacking
+    if one_group_per_call:
+        monkeypatch.setattr(attention_backend, "GROUP_SCRATCH_BYTES", 1)
     impl, runtime = setup
     g = torch.Generator().manual_seed(11)
     rows, per_set = 70, 32
