@@ -236,7 +236,9 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
     assert runtime.take_stats().data["retrieval_steps|selected"] == 3
 
 
-def test_a_new_choice_keeps_the_places_of_tokens_that_stay(setup):
+def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
+    """Each choice is written whole, in its order (over whatever the last one
+    left); a history attended in order again is written back in token order."""
     from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup
     g = torch.Generator().manual_seed(5)
@@ -248,16 +250,16 @@ def test_a_new_choice_keeps_the_places_of_tokens_that_stay(setup):
     unpack = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack
     for n_pages in (5, 7, 3):                                    # a choice, a larger one, a smaller one
         want = torch.stack([torch.randperm(14 * BS, generator=g)[:n_pages * BS] for _ in range(H)])
-        before = ws.held.clone()
         ws.hold(lh, want)
-        assert ws.m == n_pages
+        assert ws.m == n_pages and torch.equal(ws.held[:, :n_pages * BS], want)
+        assert bool((ws.held[:, n_pages * BS:] == -1).all())
         k, v = unpack(ws.buffer[:n_pages])                     # [n_pages bs, H, D], page position order
         for h in range(H):
-            held = ws.held[h, :n_pages * BS]
-            assert sorted(held.tolist()) == sorted(want[h].tolist())
-            stayed = torch.isin(before[h, :n_pages * BS], want[h])
-            assert torch.equal(held[stayed], before[h, :n_pages * BS][stayed])       # kept its place
-            assert torch.equal(k[:, h], lh.keys[h, held]) and torch.equal(v[:, h], lh.values[h, held])
+            assert torch.equal(k[:, h], lh.keys[h, want[h]]) and torch.equal(v[:, h], lh.values[h, want[h]])
+    ws.hold_in_order(lh)
+    k, v = unpack(ws.buffer[:14])
+    assert ws.m == 14 and torch.equal(k.transpose(0, 1), lh.keys[:, :14 * BS]) and \
+        torch.equal(v.transpose(0, 1), lh.values[:, :14 * BS])
 
 
 def _check_attends(impl, layer, cache, meta, query, req_id):

@@ -5,7 +5,7 @@ paged cache: per layer and KV head, every token's key and value in token
 order (``[H, T, D]``, the model's dtype), unpacked once from vLLM's pages as
 they arrive (the first block, the attention sinks, included). A step reads
 only what it attends to: the runtime writes the chosen tokens into
-working-set pages in vLLM's packing (``PagePacking.write_tokens``).
+working-set pages in vLLM's packing (``write_history_pages``).
 
 The DRE labels every token after the sink block with its cluster (ReSV's hash
 bits or Mosaic's semantic clusters); the history keeps each cluster's key sum

@@ -69,15 +69,3 @@ class PagePacking:
         """Write tokens ``[n, H, D]`` into ``cache`` ``[blocks, H, 2 * bs, D]`` at ``slots``."""
         key_cache, value_cache = cache.chunk(2, dim=2)
         cpu_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
-
-    def write_tokens(self, pages: torch.Tensor, page: torch.Tensor, head: torch.Tensor, pos: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write single tokens' ``k``, ``v`` ``[n, D]`` into ``pages`` ``[P, H, 2 bs, D]``
-        (contiguous) at (``page``, ``head``, position ``pos`` in the page) ``[n]``
-        each: one scatter, wherever each token's head and slot are."""
-        H, D, bs = pages.shape[1], self.head_dim, self.block_size
-        base = (page * H + head) * (2 * bs * D)
-        channel = pos.unsqueeze(1) * D + torch.arange(D)
-        flat = pages.view(-1)
-        flat.index_copy_(0, (base.unsqueeze(1) + self.perm[0][channel]).flatten(), k.reshape(-1))
-        flat.index_copy_(0, (base.unsqueeze(1) + bs * D + self.perm[1][channel]).flatten(), v.reshape(-1))

@@ -2,8 +2,7 @@
 
 The runtime keeps one per (request, layer) in a slot of the layer's buffer;
 here is what it holds and how a new choice of history tokens gets written into
-it: in vLLM's page packing (``PagePacking.write_tokens``), only where a page
-position must change."""
+it: whole page runs in vLLM's page packing (``write_history_pages``)."""
 
 from __future__ import annotations
 
@@ -26,44 +25,31 @@ class WorkingSet:
 
     def hold_in_order(self, lh: LayerHistory) -> None:
         """Every history token, token t at page position t (as vLLM's own cache
-        holds them, so the kernel sums in the same order); only positions that
-        hold another token are written."""
-        n = lh.num_tokens
+        holds them, so the kernel sums in the same order); pages from the first
+        position that holds another token on are written (the history grows at
+        its end, so mostly only its newest pages)."""
+        n, bs = lh.num_tokens, lh.block_size
         want = torch.arange(n)
-        heads, slots = torch.nonzero(self.held[:, :n] != want, as_tuple=True)
-        self._write(lh, heads, slots, slots)
+        differs = (self.held[:, :n] != want).any(0).nonzero()
+        if differs.numel():
+            first = int(differs[0]) // bs * bs
+            write_history_pages(self.buffer[first // bs:], lh, want[first:].expand(lh.heads, -1))
+        self.held[:, :n] = want
+        self.held[:, n:] = -1
+        self.m = n // bs
+
+    def hold(self, lh: LayerHistory, want: torch.Tensor) -> None:
+        """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
+        pages, in that order, written whole with vLLM's packing op: a page run
+        costs less than scattering only the tokens that changed (16 K history,
+        2 048 tokens per head: 0.33 ms for all of them, 4.5 ms to scatter the
+        half that a new query changes, on an AVX2 core)."""
+        n = want.shape[1]
+        write_history_pages(self.buffer, lh, want)
         self.held[:, :n] = want
         self.held[:, n:] = -1
         self.m = n // lh.block_size
 
-    def hold(self, lh: LayerHistory, want: torch.Tensor) -> None:
-        """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
-        pages, in any order: a token that stays keeps its place (a step's choice
-        mostly repeats the last one), the others are written where they go."""
-        H, n = want.shape
-        held = self.held[:, :n]
-        # membership by lookup in a mask over (head, token) ids: torch.isin sorts both sides
-        at = torch.arange(H).unsqueeze(1) * lh.num_tokens
-        wanted = torch.zeros(H * lh.num_tokens, dtype=torch.bool)
-        wanted[want + at] = True
-        stays = (held >= 0) & wanted[held.clamp_min(0) + at]
-        kept = torch.zeros_like(wanted)
-        kept[(held + at)[stays]] = True
-        heads, slots = torch.nonzero(~stays, as_tuple=True)           # per head, as many as its new tokens
-        tokens = want[~kept[want + at]]
-        self._write(lh, heads, slots, tokens)
-        self.held[heads, slots] = tokens
-        self.held[:, n:] = -1
-        self.m = n // lh.block_size
-
-
-    def _write(self, lh: LayerHistory, heads: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        if heads.numel():
-            bs = lh.block_size
-            rows = heads * lh.keys.shape[1] + tokens          # row copies: see history.rows_of
-            lh.packing.write_tokens(self.buffer, slots // bs, heads, slots % bs,
-                                    lh.keys.view(-1, lh.head_dim).index_select(0, rows),
-                                    lh.values.view(-1, lh.head_dim).index_select(0, rows))
 
 def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Tensor) -> None:
     """History tokens ``tokens`` ``[H, N]`` (per head; N a whole number of pages)
