@@ -255,10 +255,10 @@ def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
         assert bool((ws.held[:, n_pages * BS:] == -1).all())
         k, v = unpack(ws.buffer[:n_pages])                     # [n_pages bs, H, D], page position order
         for h in range(H):
-            assert torch.equal(k[:, h], lh.keys[h, want[h]]) and torch.equal(v[:, h], lh.values[h, want[h]])
+            assert torch.equal(k[:, h], lh.keys[h, want[h]].to(k.dtype)) and torch.equal(v[:, h], lh.values[h, want[h]])
     ws.hold_in_order(lh)
     k, v = unpack(ws.buffer[:14])
-    assert ws.m == 14 and torch.equal(k.transpose(0, 1), lh.keys[:, :14 * BS]) and \
+    assert ws.m == 14 and torch.equal(k.transpose(0, 1), lh.keys[:, :14 * BS].to(k.dtype)) and \
         torch.equal(v.transpose(0, 1), lh.values[:, :14 * BS])
 
 

@@ -53,6 +53,7 @@ def history(blocks=12, seed=0):
 
 
 def test_history_holds_every_token_in_order_and_hands_the_keys_after_the_sink_to_the_dre():
+    from kvreel.connector.retrieval.history import scoring_dtype
     lh, k, v = history()
     pages = pages_of(k, v)
     keys = lh.append(pages[:5], 0)
@@ -60,7 +61,9 @@ def test_history_holds_every_token_in_order_and_hands_the_keys_after_the_sink_to
     assert lh.num_tokens == 12 * BS
     assert torch.equal(torch.cat([keys, more], 1), k[BS:].transpose(0, 1).float())
     assert torch.equal(lh.dre_keys(), k[BS:].transpose(0, 1).float())
-    assert torch.equal(lh.keys[:, :lh.num_tokens].view(torch.int16), k.transpose(0, 1).view(torch.int16))
+    assert lh.keys.dtype == scoring_dtype(torch.bfloat16)         # float32 on a CPU without bf16 products
+    held = lh.keys[:, :lh.num_tokens].to(torch.bfloat16)          # exact: bf16 -> float32 -> bf16 is lossless
+    assert torch.equal(held.view(torch.int16), k.transpose(0, 1).view(torch.int16))
     assert torch.equal(lh.values[:, :lh.num_tokens].view(torch.int16), v.transpose(0, 1).view(torch.int16))
     with pytest.raises(ValueError, match="history holds 384 tokens, got blocks from 3"):
         lh.append(pages[:1], 3)
@@ -183,13 +186,13 @@ def test_16bit_keys_are_scored_in_float32_where_the_cpu_lacks_16bit_products(mon
     """Without hardware bf16 products the keys are scored in float32, a block of
     keys converted at a time (the choice is that of the same keys given as
     float32); with them the keys are scored as they are."""
-    from kvreel.connector.retrieval import selection
-    monkeypatch.setattr(selection, "_native_half_products", lambda: native)
+    from kvreel.connector.retrieval import history, selection
+    monkeypatch.setattr(history, "_native_half_products", lambda: native)
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(H, 640, D, generator=g).to(torch.bfloat16)
     queries = (torch.randn(H, 40, D, generator=g) * 2).to(torch.bfloat16)
-    assert (selection._scoring_dtype(keys) == torch.float32) is not native
-    assert selection._scoring_dtype(keys.float()) == torch.float32
+    assert (history.scoring_dtype(keys.dtype) == torch.float32) is not native
+    assert history.scoring_dtype(torch.float32) == torch.float32
     if not native:
         monkeypatch.setattr(selection, "SCORE_BLOCK", 100)        # several blocks, a short last one
         for alpha, group_rows in ((0.9, 8), (0.9, 40), (1.0, 16)):

@@ -3,12 +3,11 @@ own queries want most, chosen per query row."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory, rows_of
+from kvreel.connector.retrieval.history import LayerHistory, rows_of, scoring_dtype
 
 ROWS_AT_ONCE = 32            # query rows scored together
 
@@ -38,7 +37,7 @@ def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, co
     k = min(count, keys.shape[1])
     if k <= 0:
         return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * -(-R // group_rows)
-    q = queries.to(_scoring_dtype(keys)) * queries.shape[-1] ** -0.5
+    q = queries.to(scoring_dtype(keys.dtype, keys.device.type)) * queries.shape[-1] ** -0.5
     if group_rows > ROWS_AT_ONCE:
         return [_select_over_passes(q[:, a:a + group_rows], keys, alpha, k, unit) for a in range(0, R, group_rows)]
     per_pass = ROWS_AT_ONCE // group_rows * group_rows
@@ -85,24 +84,6 @@ def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
     """How many of the tokens (shares ``[H, r, k]``, best first) every row needs to
     hold ``alpha`` of its mass (WiCSum)."""
     return int(((taken.cumsum(-1) - taken) < alpha - 1e-6).sum(-1).max())
-
-
-@functools.cache
-def _native_half_products() -> bool:
-    """Whether this CPU multiplies 16-bit floats in hardware (AVX512-BF16 or AMX);
-    torch's probes are private, so a torch without them counts as without."""
-    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(probe() for probe in probes if probe is not None)
-
-
-def _scoring_dtype(keys: torch.Tensor) -> torch.dtype:
-    """float32 for 16-bit keys on a CPU without 16-bit products: torch's bf16
-    products there run 10-20x slower than converting the keys and multiplying in
-    float32 (a 512-row chunk over 16 K keys on an AVX2 core: 0.12 s a head pair
-    in bf16, 9 ms converting first); a float32 score is no worse."""
-    if keys.dtype in (torch.bfloat16, torch.float16) and keys.device.type == "cpu" and not _native_half_products():
-        return torch.float32
-    return keys.dtype
 
 
 SCORE_BLOCK = 4096           # keys converted at a time: small blocks reuse the allocator's memory

@@ -57,6 +57,6 @@ def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Ten
     packing op (a whole page run: no per-token scatter)."""
     H, n = tokens.shape
     rows = (tokens + torch.arange(H).unsqueeze(1) * lh.keys.shape[1]).T.flatten()     # [n, H] order
-    k = lh.keys.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1)
+    k = lh.keys.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1).to(lh.dtype)
     v = lh.values.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1)
     lh.packing.pack(k, v, pages, torch.arange(n))
