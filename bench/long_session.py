@@ -13,8 +13,8 @@
 
     python bench/long_session.py --model ../shared/models/tinycode-16m-4k
 
-Every engine runs ``--repeats`` times back to back; the JSON holds every run
-and the medians. Each length is a distinct prompt of Python source; one
+Every engine runs ``--repeats`` times, round-robin (run 1 of every engine,
+then run 2...); the JSON holds every run and the medians. Each length is a distinct prompt of Python source; one
 request at a time; TTFT and TPOT are taken from engine steps (first output,
 then the gaps between the 64 decoded tokens); block size 32. The model's
 trained context is 4 096 tokens (RoPE up to 8 192): longer sessions run past
@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache for the small-cache engines")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="back-to-back runs of every engine (medians reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every engine, round-robin (medians reported)")
     ap.add_argument("--method", default="resv")
     ap.add_argument("--env", default="", help="more KVREEL_* settings for the retrieval engine, NAME=VALUE,...")
     ap.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE,...",
@@ -189,17 +189,16 @@ def main() -> None:
         "env": {**common["env"], "KVREEL_RETRIEVAL": a.method, **extra, **_settings(other)}}
         for other in a.compare_env}
     runs.update(compared)
-    results = {}
-    for label, args in runs.items():
-        each = []
-        for i in range(a.repeats):
+    each: dict[str, list[dict]] = {label: [] for label in runs}
+    for i in range(a.repeats):             # round-robin: a slow spell of the machine hits every engine alike
+        for label, args in runs.items():
             print(f"== {label}, run {i + 1}", flush=True)
             t0 = time.perf_counter()
             got = run_engine(args)
             got["wall_s"] = time.perf_counter() - t0
             print(json.dumps(got)[:1500], flush=True)
-            each.append(got)
-        results[label] = {"rows": median_rows(each), "each_run": each}
+            each[label].append(got)
+    results = {label: {"rows": median_rows(runs_of), "each_run": runs_of} for label, runs_of in each.items()}
     full, _, reel, off = (results[k] for k in list(runs)[:4])
     defaults = KVReelConfig.load(env={"KVREEL_RETRIEVAL": a.method, **extra})
     ws = working_set_mib(a.model, defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk)
