@@ -6,7 +6,7 @@ order (``[H, T, D]``), unpacked once from vLLM's pages as they arrive (the
 first block, the attention sinks, included). Values are kept in the model's
 dtype, keys in the dtype a step scores them in (``scoring_dtype``): on a CPU
 without 16-bit products, 16-bit keys are held in float32, converted once as
-they arrive rather than by every step that scores them (a third of a decode
+they arrive rather than by every step that scores them (a sixth of a decode
 step's choice at 16 K tokens), for a history half as large again. A step reads
 only what it attends to: the runtime writes the chosen tokens into
 working-set pages in vLLM's packing (``write_history_pages``).
