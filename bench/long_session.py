@@ -14,9 +14,10 @@
     python bench/long_session.py --model ../shared/models/tinycode-16m-4k
 
 Every engine runs ``--repeats`` times, round-robin (run 1 of every engine,
-then run 2...); the JSON holds every run and the medians. Each length is a distinct prompt of Python source; one
-request at a time; TTFT and TPOT are taken from engine steps (first output,
-then the gaps between the 64 decoded tokens); block size 32. The model's
+then run 2...); the JSON holds every run and the medians. Each length is a
+distinct prompt of Python source; one request at a time; TTFT and TPOT are
+taken from engine steps (first output, then the gaps between the ``--decode``
+decoded tokens); block size 32. The model's
 trained context is 4 096 tokens (RoPE up to 8 192): longer sessions run past
 it with vLLM's position limit raised, which changes what the model says, not
 what attention costs.
