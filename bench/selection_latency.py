@@ -16,11 +16,18 @@ to a scoring pass; the choice only, not the writing of the groups' pages).
 Every figure is the median of ``--repeat`` steps, measured in ``--rounds``
 rounds; the JSON holds each round and their median. Per history length:
 
-* ``served``: the default ``KVREEL_RETRIEVAL_CANDIDATES`` (8: from twice 8x
-  the budget on, the DRE's clusters narrow which tokens are scored exactly);
-* ``every token``: ``KVREEL_RETRIEVAL_CANDIDATES=0``, every history token scored;
+* ``served``: the defaults: a decode step scores exactly the tokens of the
+  blocks its queries rank best by their keys' bounds
+  (``KVREEL_RETRIEVAL_DECODE_CANDIDATES``, 2x the budget); a chunk, from twice
+  ``KVREEL_RETRIEVAL_CANDIDATES`` (8) x the budget on, the tokens of the DRE's
+  best clusters;
+* ``decode as chunks``: ``KVREEL_RETRIEVAL_DECODE_CANDIDATES=0`` (the defaults
+  before decode steps had their own narrowing);
+* ``every token``: ``KVREEL_RETRIEVAL_CANDIDATES=0``, ``DECODE_CANDIDATES=0``,
+  every history token scored;
 * ``pages xN``: ``KVREEL_RETRIEVAL_NARROWING=pages`` with ``N`` candidates
-  (``--page-candidates``, 2): blocks ranked by their keys' bounds, no DRE;
+  (``--page-candidates``, 2), ``DECODE_CANDIDATES=0``: blocks ranked by their
+  keys' bounds for chunks too, no DRE;
 * baseline in the same run: full attention of the same queries over the whole
   history (float32 SDPA), what a layer without retrieval computes;
 * ``extend``: the DRE labelling one new block, off the critical path (its
@@ -54,8 +61,8 @@ def pages_for(T: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return k.transpose(0, 1).bfloat16(), torch.randn(T, H, D, generator=g).bfloat16()
 
 
-def runtime_for(method: str, candidates: int | None, narrowing: str | None = None):
-    """A retrieval runtime for one layer; ``candidates``, ``narrowing`` None: the defaults."""
+def runtime_for(method: str, candidates: int | None, narrowing: str | None = None, decode: int | None = None):
+    """A retrieval runtime for one layer; ``candidates``, ``narrowing``, ``decode`` None: the defaults."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvreel.connector.config import KVReelConfig
@@ -65,6 +72,8 @@ def runtime_for(method: str, candidates: int | None, narrowing: str | None = Non
         env["KVREEL_RETRIEVAL_CANDIDATES"] = str(candidates)
     if narrowing is not None:
         env["KVREEL_RETRIEVAL_NARROWING"] = narrowing
+    if decode is not None:
+        env["KVREEL_RETRIEVAL_DECODE_CANDIDATES"] = str(decode)
     cfg = KVReelConfig.load(env=env)
     rt = RetrievalRuntime(cfg)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
@@ -100,8 +109,9 @@ def main() -> None:
                     help="KVREEL_RETRIEVAL_CANDIDATES of the KVREEL_RETRIEVAL_NARROWING=pages runtime")
     a = ap.parse_args()
     rows = []
-    runtimes = {"served": runtime_for(a.method, None), "every token": runtime_for(a.method, 0),
-                f"pages x{a.page_candidates}": runtime_for(a.method, a.page_candidates, "pages")}
+    runtimes = {"served": runtime_for(a.method, None), "decode as chunks": runtime_for(a.method, None, decode=0),
+                "every token": runtime_for(a.method, 0, decode=0),
+                f"pages x{a.page_candidates}": runtime_for(a.method, a.page_candidates, "pages", decode=0)}
     for T in tqdm([int(t) for t in a.tokens.split(",")], desc="history lengths"):
         k, v = pages_for(T)
         packing = runtimes["served"].packing

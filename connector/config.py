@@ -194,13 +194,18 @@ SETTINGS: tuple[Setting, ...] = (
             "Working set per long request and layer: at most this share of the history (sink block included) is "
             "attended to in one step, chosen anew for every step's queries; 1 with a token budget that holds "
             "the history keeps all of it (outputs identical to vLLM's).", lambda v: 0 < v <= 1),
-    _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a step scores exactly with its "
-                 "queries. A history at least twice that long is narrowed first by its DRE clusters (ranked by "
-                 "centroid), so a step's cost grows slower than the history; 0 scores every history token, every "
-                 "step.", 0, 1024),
+    _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a prefill chunk's step scores "
+                 "exactly with its queries. A history at least twice that long is narrowed first by its DRE "
+                 "clusters (ranked by centroid), so a step's cost grows slower than the history; 0 scores every "
+                 "history token, every step.", 0, 1024),
+    _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (one token per request): how many times the "
+                 "budget's tokens a step scores exactly, the tokens of the blocks its own queries rank best by their "
+                 "keys' channel-wise bounds (Quest: a cost that grows with the blocks, not the tokens), from a "
+                 "history twice that long on. 0: decoding steps are narrowed as prefill chunks are "
+                 "(KVREEL_RETRIEVAL_CANDIDATES, KVREEL_RETRIEVAL_NARROWING).", 0, 1024),
     Setting("RETRIEVAL_NARROWING", str, "clusters", "clusters or pages",
-            "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before its "
-            "tokens are scored: clusters (the DRE's, ranked by centroid; the DRE runs beside the engine) or "
+            "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before a "
+            "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid; the DRE runs beside the engine) or "
             "pages (every block ranked by the most its keys could score with the step's queries, from their "
             "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
             _one_of("clusters", "pages")),

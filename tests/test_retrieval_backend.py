@@ -296,7 +296,7 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
     _offload(runtime, cache, meta, 0, "r", blocks=14)
     runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
-                                      retrieval_candidates=2)
+                                      retrieval_candidates=2, retrieval_decode_candidates=0)
     hist = runtime.histories["r"]
     lh = hist.layers[0]
     assert runtime.clusters_for(hist) and runtime.kept_tokens(hist.num_blocks) == 3 * BS
@@ -321,3 +321,38 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     assert 9 * BS + 4 in ws.held[0].tolist()
     stats = runtime.take_stats().data
     assert stats["retrieval_steps|selected"] == 2 and stats["dre_tables|clustered"] == 1
+
+
+def test_a_decoding_step_is_narrowed_by_its_blocks_key_bounds(setup):
+    """Past ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` x the budget, a decoding step
+    scores only the tokens of the blocks its own queries rank best by their keys'
+    bounds (no DRE is asked for), a query that points at one key still gets its
+    token, and a prefill chunk of the same request is not narrowed so."""
+    import dataclasses
+
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(11)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
+                                      retrieval_decode_candidates=2)
+    hist = runtime.histories["r"]
+    lh = hist.layers[0]
+    count = runtime.kept_tokens(hist.num_blocks)
+    assert count == 3 * BS and not runtime.clusters_for(hist)      # 14 blocks: chunks score every token
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
+    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    q = torch.randn(query.shape, generator=g).bfloat16()
+    q[0, :G] = (keys[9 * BS + 4, 0] * 8).bfloat16()
+    narrowed = lh.page_candidates(q[0].float().view(H, G, D), 2 * count)
+    assert narrowed.shape == (H, 6 * BS)
+    ws = _check_attends(impl, layer, cache, meta, q, "r")
+    for h in range(H):
+        assert bool(torch.isin(ws.held[h, BS:ws.m * BS], narrowed[h]).all())    # only candidates were scored
+    assert 9 * BS + 4 in ws.held[0].tolist()
+    assert not runtime.dre.holds("r", 0)
+    every = runtime.choose_in_groups("r", 0, q[0].float().view(H, G, D), G)[0]
+    wider = runtime.choose_in_groups("r", 0, q[0].float().view(H, G, D), G, decoding=True)[0]
+    assert not all(bool(torch.isin(every[h, BS:], narrowed[h]).all()) for h in range(H)) and \
+        all(bool(torch.isin(wider[h, BS:], narrowed[h]).all()) for h in range(H))

@@ -23,8 +23,14 @@ What each layer keeps:
   ``alpha`` of its mass. Nothing waits and nothing is stale: the first token
   after a prompt attends to what its own query asks for.
 
-Which tokens are scored: all of them, exactly, while the history is less
-than twice ``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
+Which tokens a decoding step (one token per request) scores: those of the
+blocks its own queries rank best by their keys' channel-wise bounds (Quest),
+``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` (2) times the budget, once the history is
+twice that: ranking blocks costs a step what the history's blocks number, not
+its tokens, so decoding need not read every key as full attention does.
+A prefill chunk's rows (many, with different wants, crowding so few
+candidates) score all tokens, exactly, while the history is less than twice
+``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
 clusters narrow them first: every cluster is ranked by its centroid and only
 the tokens of the best ones (that many times the budget) are scored exactly
 (``LayerHistory.candidates``, through a per-head index of each cluster's
@@ -233,13 +239,18 @@ class RetrievalRuntime:
             ws.hold_in_order(hist.layers[layer])
             self.count("retrieval_steps", label="exact")
             return ws
-        ws.hold(hist.layers[layer], self.choose_in_groups(req_id, layer, queries, queries.shape[1])[0])
+        ws.hold(hist.layers[layer], self.choose_in_groups(req_id, layer, queries, queries.shape[1], decoding=True)[0])
         return ws
 
-    def choose_in_groups(self, req_id: str, layer: int, queries: torch.Tensor, group_rows: int) -> list[torch.Tensor]:
+    def choose_in_groups(self, req_id: str, layer: int, queries: torch.Tensor, group_rows: int,
+                         decoding: bool = False) -> list[torch.Tensor]:
         """For every run of ``group_rows`` of the query rows ``[H, R, D]`` (a group
         of a prefill chunk's tokens), the history tokens it attends to ``[H, bs + m]``
-        (``choose_tokens_in_groups``); the DRE is asked to cluster a history it lacks."""
+        (``choose_tokens_in_groups``); the DRE is asked to cluster a history it lacks.
+        A ``decoding`` step's few rows are narrowed by the blocks' key bounds
+        (``KVREEL_RETRIEVAL_DECODE_CANDIDATES``): its cost then grows with the
+        history's blocks, where scoring every token (or ranking clusters) grows
+        with its tokens; a chunk's many rows would crowd so few candidates."""
         self.dre.take_labels(self.histories)
         hist = self.histories[req_id]
         lh = hist.layers[layer]
@@ -247,9 +258,11 @@ class RetrievalRuntime:
         client = self.dre.client() if clustered else None
         if client is not None and not self.dre.holds(req_id, layer):                  # a new DRE: cluster anew
             self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, self.working.get((req_id, layer)))
+        candidates, narrowing = self.cfg.retrieval_candidates, self.cfg.retrieval_narrowing
+        if decoding and self.cfg.retrieval_decode_candidates:
+            candidates, narrowing = self.cfg.retrieval_decode_candidates, "pages"
         chosen = choose_tokens_in_groups(lh, queries, group_rows, self.cfg.retrieval_alpha,
-                                         self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
-                                         self.cfg.retrieval_narrowing)
+                                         self.kept_tokens(hist.num_blocks), candidates, narrowing)
         for tokens in chosen:
             self.count("retrieval_steps", label="dre_down" if clustered and client is None else "selected")
             self.count("retrieval_history_blocks", hist.num_blocks)
