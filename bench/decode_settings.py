@@ -1,0 +1,163 @@
+"""What a decoding step costs under each retrieval setting, on one long session,
+against full attention in the same run.
+
+    python bench/decode_settings.py --model ../shared/models/tinycode-16m-4k [--lengths 4096,16384]
+
+Served TPOT compared across engines spreads as widely as the settings differ on
+this 2-core machine (``long_session.py``: each engine prefills anew, and its
+runs differ by 20 %). Here one engine per length prefills the session once and
+then decodes it in segments of ``--segment`` tokens, switching the decoding
+setting between segments (round-robin, ``--rounds`` times): every setting
+decodes the same history on the same engine, alternately. Settings:
+``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` = 2 (the default: a step scores the tokens
+of the blocks its queries rank best by their key bounds) and 0 (every history
+token scored below about 65 K tokens, as before). Full attention is plain
+vLLM (a cache that holds the session) decoding the same prompt as many tokens
+in as many segments. Per segment: TPOT (mean gap between tokens), and for
+kvreel the time per step in the working-set choice (``choose_in_groups``) and
+its write (``WorkingSet.hold``). vLLM runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the setting can be switched in the
+worker between segments; every engine alike, with the equal CPU split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import engine_in_subprocess, engine_or_main, plot_lines, python_source_corpus, report, save  # noqa: E402
+
+SETTINGS = {"defaults (DECODE_CANDIDATES=2)": 2, "DECODE_CANDIDATES=0": 0}
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
+
+def _timed(cls, name: str, spent: dict) -> None:
+    """Wraps ``cls.name`` to add its wall time to ``spent[name]`` (instrumentation only)."""
+    f = getattr(cls, name)
+
+    @functools.wraps(f)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - t0
+    setattr(cls, name, timed)
+
+
+def engine_main(args: dict) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+    kvreel = args["kvreel"]
+    spent: dict[str, float] = collections.defaultdict(float)
+    kw = {}
+    if kvreel:
+        from kvreel.connector.retrieval.runtime import RetrievalRuntime
+        from kvreel.connector.retrieval.working_set import WorkingSet
+        _timed(RetrievalRuntime, "choose_in_groups", spent)
+        _timed(WorkingSet, "hold", spent)
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
+        kw["num_gpu_blocks_override"] = args["blocks"]
+    n = args["tokens"]
+    llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=n + args["decode"] + 64,
+              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=4, seed=0,
+              hf_overrides={"max_position_embeddings": max(8192, n + args["decode"] + 64)}, **kw)
+    engine = llm.llm_engine
+    engine.add_request("s", TokensPrompt(prompt_token_ids=json.loads(Path(args["prompt"]).read_text())),
+                       SamplingParams(max_tokens=args["decode"] + 1, temperature=0.0, ignore_eos=True))
+    names = list(SETTINGS) if kvreel else ["full attention"]
+    segments: list[dict] = []
+    times: list[float] = []
+    current = None
+    while engine.has_unfinished_requests():
+        if times and (len(times) - 1) % args["segment"] == 0 and len(times) - 1 < args["decode"] \
+                and (current is None or current["tokens"] > 0):
+            name = names[len(segments) % len(names)]
+            if kvreel:
+                rt = RetrievalRuntime._instance
+                rt.cfg = dataclasses.replace(rt.cfg, retrieval_decode_candidates=SETTINGS[name])
+            spent.clear()
+            current = {"setting": name, "start": times[-1], "tokens": 0}
+            segments.append(current)
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.outputs and len(o.outputs[0].token_ids) > len(times):
+                times.append(now)
+                if current is not None:
+                    current["tokens"] += 1
+                    current["end"] = now
+                    current.update({f"{k}_ms_per_step": 1e3 * v / current["tokens"] for k, v in spent.items()})
+    for s in segments:
+        s["tpot_ms"] = 1e3 * (s.pop("end") - s.pop("start")) / s["tokens"]
+    report({"segments": segments})
+    engine.engine_core.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lengths", default="4096,16384")
+    ap.add_argument("--segment", type=int, default=64, help="tokens decoded under one setting before the next")
+    ap.add_argument("--rounds", type=int, default=3, help="segments of every setting, round-robin")
+    ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache with kvreel (its history offloaded)")
+    ap.add_argument("--chunk", type=int, default=512)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    corpus = tok(python_source_corpus(8 * max(lengths)))["input_ids"]
+    prompt = Path(tempfile.mkdtemp(prefix="kvreel-decode-settings-")) / "prompt.json"
+    decode = a.segment * a.rounds * len(SETTINGS)
+    rows = []
+    for n in lengths:
+        row = {"history_tokens": n}
+        prompt.write_text(json.dumps(corpus[:n]))
+        for label, kvreel in (("full attention", False), ("kvreel", True)):
+            got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt), "kvreel": kvreel,
+                                                  "decode": decode, "segment": a.segment, "blocks": a.blocks,
+                                                  "chunk": a.chunk},
+                                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                        **({"KVREEL_RETRIEVAL": "resv"} if kvreel else {})}, timeout=3600)
+            if "error" in got:
+                raise RuntimeError(f"{label} at {n}: {got['error']}")
+            by = collections.defaultdict(list)
+            for s in got["segments"]:
+                by[s["setting"]].append(s)
+            for name, segs in by.items():
+                row[name] = {"tpot_ms": statistics.median(s["tpot_ms"] for s in segs), "segments": segs}
+                for key in ("choose_in_groups_ms_per_step", "hold_ms_per_step"):
+                    if key in segs[0]:
+                        row[name][key] = statistics.median(s[key] for s in segs)
+        full = row["full attention"]["tpot_ms"]
+        for name in SETTINGS:
+            row[name]["tpot_over_full_attention"] = row[name]["tpot_ms"] / full
+        rows.append(row)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "segments"})
+                          for k, v in row.items()}), flush=True)
+    settings = {"lengths": a.lengths, "segment": a.segment, "rounds": a.rounds, "blocks": a.blocks, "chunk": a.chunk,
+                "block_size": 32, "decoded_per_engine": decode, "retrieval": "resv, defaults but the switched setting",
+                "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
+    name = "decode_settings"
+    path = save(name, {"model": Path(a.model).name, "settings": settings, "rows": rows})
+    x = [r["history_tokens"] for r in rows]
+    plot_lines(name, x, {k: [r[k]["tpot_ms"] for r in rows] for k in ("full attention", *SETTINGS)},
+               "history tokens", "ms per token (median of segments)",
+               f"decoding on one session, settings alternated per {a.segment} tokens ({Path(a.model).name}, "
+               "2-core x86 CPU)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    engine_or_main(engine_main, main)
