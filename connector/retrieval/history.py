@@ -218,6 +218,15 @@ class LayerHistory:
         blocks = torch.topk(rank, min(rank.shape[1], -(-count // bs)), dim=1, sorted=False).indices + 1
         return (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
 
+    def block_keys(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The keys ``[H, n, D]`` of ``tokens`` ``[H, n]`` made of whole blocks, each
+        in token order (``page_candidates``'): copied a block at a time, where
+        ``rows_of`` copies a row at a time (4 K rows of a 16 K history: 3-4x
+        the time on this machine)."""
+        bs = self.block_size
+        per_block = self.keys[:, :self.num_tokens].view(self.heads, -1, bs * self.head_dim)
+        return rows_of(per_block, tokens[:, ::bs] // bs).view(self.heads, -1, self.head_dim)
+
     def _cluster_index(self, count: int) -> ClusterIndex:
         """The cluster index, rebuilt when labels moved (a Mosaic split) or once
         the tokens labelled since it was built are a quarter of a step's candidates

@@ -144,10 +144,13 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
     looking for a needle brings its cluster or block in, whatever the others want)."""
     bs = lh.block_size
     if narrows(candidates, count, lh.num_tokens - bs):
-        scored = lh.page_candidates(queries, candidates * count) if narrowing == "pages" else \
-            lh.candidates(queries, candidates * count)
-        chosen = [scored.gather(1, c) for c in select_in_groups(queries, rows_of(lh.keys, scored), alpha, count,
-                                                                bs, group_rows)]
+        if narrowing == "pages":
+            scored = lh.page_candidates(queries, candidates * count)
+            keys = lh.block_keys(scored)
+        else:
+            scored = lh.candidates(queries, candidates * count)
+            keys = rows_of(lh.keys, scored)
+        chosen = [scored.gather(1, c) for c in select_in_groups(queries, keys, alpha, count, bs, group_rows)]
     else:
         chosen = [c + bs for c in select_in_groups(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs,
                                                    group_rows)]
