@@ -198,14 +198,16 @@ SETTINGS: tuple[Setting, ...] = (
                  "exactly with its queries. A history at least twice that long is narrowed first by its DRE "
                  "clusters (ranked by centroid), so a step's cost grows slower than the history; 0 scores every "
                  "history token, every step.", 0, 1024),
-    _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (one token per request): how many times the "
-                 "budget's tokens a step scores exactly, the tokens of the blocks its own queries rank best by their "
-                 "keys' channel-wise bounds (Quest: a cost that grows with the blocks, not the tokens), from a "
-                 "history twice that long on. 0: decoding steps are narrowed as prefill chunks are "
-                 "(KVREEL_RETRIEVAL_CANDIDATES, KVREEL_RETRIEVAL_NARROWING).", 0, 1024),
+    _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (and chunks of at most "
+                 "KVREEL_RETRIEVAL_ROWS_PER_SET tokens): how many times the budget's tokens a step scores exactly, "
+                 "the tokens of the blocks its own queries rank best by their keys' channel-wise bounds (Quest: a "
+                 "cost that grows with the blocks, not the tokens), from a history twice that long on. 0: they are "
+                 "narrowed as prefill chunks are (KVREEL_RETRIEVAL_CANDIDATES, KVREEL_RETRIEVAL_NARROWING).",
+                 0, 1024),
     Setting("RETRIEVAL_NARROWING", str, "clusters", "clusters or pages",
             "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before a "
-            "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid; the DRE runs beside the engine) or "
+            "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid; the DRE runs beside "
+            "the engine) or "
             "pages (every block ranked by the most its keys could score with the step's queries, from their "
             "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
             _one_of("clusters", "pages")),

@@ -23,7 +23,8 @@ What each layer keeps:
   ``alpha`` of its mass. Nothing waits and nothing is stale: the first token
   after a prompt attends to what its own query asks for.
 
-Which tokens a decoding step (one token per request) scores: those of the
+Which tokens a decoding step (or a chunk of at most
+``KVREEL_RETRIEVAL_ROWS_PER_SET`` tokens: one working set) scores: those of the
 blocks its own queries rank best by their keys' channel-wise bounds (Quest),
 ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` (2) times the budget, once the history is
 twice that: ranking blocks costs a step what the history's blocks number, not
