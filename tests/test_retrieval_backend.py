@@ -282,28 +282,36 @@ def _check_attends(impl, layer, cache, meta, query, req_id):
     return ws
 
 
+def _a_query_for_one_key(runtime, seed: int, **settings):
+    """Request "r" with 14 of its 17 blocks in its history, the runtime at alpha
+    0.9 and a quarter of the history (plus ``settings``), and a decoding query
+    whose first KV head's rows point at one key (token 9 bs + 4)."""
+    import dataclasses
+
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    g = torch.Generator().manual_seed(seed)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25, **settings)
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)
+    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
+    q = torch.randn(query.shape, generator=g).bfloat16()
+    q[0, :G] = (keys[9 * BS + 4, 0] * 8).bfloat16()
+    return layer, cache, meta, q
+
+
 def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     """Past ``KVREEL_RETRIEVAL_CANDIDATES`` x the budget, only the tokens of the
     clusters the queries rank best are scored: the DRE (a process the runtime
     starts) labels the history, the labels are applied on the attention
     thread, and a query that points at one key still gets its token."""
-    import dataclasses
     import time
 
-    from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup
-    g = torch.Generator().manual_seed(7)
-    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
-    _offload(runtime, cache, meta, 0, "r", blocks=14)
-    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
-                                      retrieval_candidates=2, retrieval_decode_candidates=0)
+    layer, cache, meta, q = _a_query_for_one_key(runtime, 7, retrieval_candidates=2, retrieval_decode_candidates=0)
     hist = runtime.histories["r"]
     lh = hist.layers[0]
     assert runtime.clusters_for(hist) and runtime.kept_tokens(hist.num_blocks) == 3 * BS
-    pages = cache.view(cache.shape[0], H, 2 * BS, D)
-    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
-    q = torch.randn(query.shape, generator=g).bfloat16()
-    q[0, :G] = (keys[9 * BS + 4, 0] * 8).bfloat16()
     _check_attends(impl, layer, cache, meta, q, "r")          # asks the DRE to cluster: nothing labelled yet
     assert 9 * BS + 4 in runtime.working["r", 0].held[0].tolist()
     deadline = time.monotonic() + 60
@@ -328,23 +336,12 @@ def test_a_decoding_step_is_narrowed_by_its_blocks_key_bounds(setup):
     scores only the tokens of the blocks its own queries rank best by their keys'
     bounds (no DRE is asked for), a query that points at one key still gets its
     token, and a prefill chunk of the same request is not narrowed so."""
-    import dataclasses
-
-    from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup
-    g = torch.Generator().manual_seed(11)
-    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
-    _offload(runtime, cache, meta, 0, "r", blocks=14)
-    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
-                                      retrieval_decode_candidates=2)
+    layer, cache, meta, q = _a_query_for_one_key(runtime, 11, retrieval_decode_candidates=2)
     hist = runtime.histories["r"]
     lh = hist.layers[0]
     count = runtime.kept_tokens(hist.num_blocks)
     assert count == 3 * BS and not runtime.clusters_for(hist)      # 14 blocks: chunks score every token
-    pages = cache.view(cache.shape[0], H, 2 * BS, D)
-    keys, _ = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
-    q = torch.randn(query.shape, generator=g).bfloat16()
-    q[0, :G] = (keys[9 * BS + 4, 0] * 8).bfloat16()
     narrowed = lh.page_candidates(q[0].float().view(H, G, D), 2 * count)
     assert narrowed.shape == (H, 6 * BS)
     ws = _check_attends(impl, layer, cache, meta, q, "r")
