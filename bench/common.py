@@ -23,6 +23,10 @@ RESULTS = Path(__file__).parent / "results"
 # choose another split).
 EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
+# vLLM's KVTransferConfig fields that attach kvreel to an engine
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+
 
 def engine_env(env: dict | None = None, shell_kvreel: bool = True) -> dict[str, str]:
     """The environment of a benchmarked engine: this one (without its ``KVREEL_*``

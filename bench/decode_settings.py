@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import engine_in_subprocess, engine_or_main, plot_lines, python_source_corpus, report, save  # noqa: E402
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, plot_lines, python_source_corpus,  # noqa: E402
+                    report, save)
 
 SETTINGS = {"defaults (DECODE_CANDIDATES=2)": 2, "DECODE_CANDIDATES=0": 0}
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def _timed(cls, name: str, spent: dict) -> None:
@@ -125,9 +124,9 @@ def main() -> None:
         row = {"history_tokens": n}
         prompt.write_text(json.dumps(corpus[:n]))
         for label, kvreel in (("full attention", False), ("kvreel", True)):
-            got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt), "kvreel": kvreel,
-                                                  "decode": decode, "segment": a.segment, "blocks": a.blocks,
-                                                  "chunk": a.chunk},
+            got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt),
+                                                  "kvreel": kvreel, "decode": decode, "segment": a.segment,
+                                                  "blocks": a.blocks, "chunk": a.chunk},
                                        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                         **({"KVREEL_RETRIEVAL": "resv"} if kvreel else {})}, timeout=3600)
             if "error" in got:

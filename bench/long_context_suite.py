@@ -36,13 +36,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, commit, engine_in_subprocess, engine_or_main, plot_agreement,  # noqa: E402
+from common import (CONNECTOR, RESULTS, commit, engine_in_subprocess, engine_or_main, plot_agreement,  # noqa: E402
                     python_source_corpus, report, retrieval_counters, save, save_figure)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def engine_main(args: dict) -> None:

@@ -34,13 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
                     retrieval_counters, save)
 
 from kvreel.connector.config import KVReelConfig  # noqa: E402
 
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def run_engine(args: dict) -> dict:

@@ -40,11 +40,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (engine_in_subprocess, engine_or_main, in_process_dre, python_source_corpus, report,  # noqa: E402
-                    retrieval_counters, save, save_figure)
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, in_process_dre,  # noqa: E402
+                    python_source_corpus, report, retrieval_counters, save, save_figure)
 
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def engine_main(args: dict) -> None:

@@ -21,10 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import equal_cpu_split, machine, plot_lines, python_source_corpus, save  # noqa: E402
+from common import CONNECTOR, equal_cpu_split, machine, plot_lines, python_source_corpus, save  # noqa: E402
 
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def make_llm(model, extra, **kw):
