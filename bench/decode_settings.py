@@ -10,12 +10,14 @@ then decodes it in segments of ``--segment`` tokens, switching the decoding
 setting between segments (round-robin, ``--rounds`` times): every setting
 decodes the same history on the same engine, alternately. Settings:
 ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` = 2 (the default: a step scores the tokens
-of the blocks its queries rank best by their key bounds) and 0 (every history
-token scored below about 65 K tokens, as before). Full attention is plain
+of the blocks its queries rank best by their key bounds and keeps whole blocks,
+page copies) and 0 (tokens chosen as a prefill group chooses them, every
+history token scored below about 65 K tokens, written through vLLM's packing). Full attention is plain
 vLLM (a cache that holds the session) decoding the same prompt as many tokens
 in as many segments. Per segment: TPOT (mean gap between tokens), and for
-kvreel the time per step in the working-set choice (``choose_in_groups``) and
-its write (``WorkingSet.hold``). vLLM runs in-process
+kvreel the time per step in the working sets (``RetrievalRuntime.working_set``,
+the choice and its write) and in the write alone (``WorkingSet.hold`` or
+``hold_blocks``). vLLM runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the setting can be switched in the
 worker between segments; every engine alike, with the equal CPU split.
 """
@@ -40,8 +42,8 @@ from common import (CONNECTOR, engine_in_subprocess, engine_or_main, plot_lines,
 SETTINGS = {"defaults (DECODE_CANDIDATES=2)": 2, "DECODE_CANDIDATES=0": 0}
 
 
-def _timed(cls, name: str, spent: dict) -> None:
-    """Wraps ``cls.name`` to add its wall time to ``spent[name]`` (instrumentation only)."""
+def _timed(cls, name: str, spent: dict, key: str) -> None:
+    """Wraps ``cls.name`` to add its wall time to ``spent[key]`` (instrumentation only)."""
     f = getattr(cls, name)
 
     @functools.wraps(f)
@@ -50,7 +52,7 @@ def _timed(cls, name: str, spent: dict) -> None:
         try:
             return f(*args, **kwargs)
         finally:
-            spent[name] += time.perf_counter() - t0
+            spent[key] += time.perf_counter() - t0
     setattr(cls, name, timed)
 
 
@@ -64,8 +66,9 @@ def engine_main(args: dict) -> None:
     if kvreel:
         from kvreel.connector.retrieval.runtime import RetrievalRuntime
         from kvreel.connector.retrieval.working_set import WorkingSet
-        _timed(RetrievalRuntime, "choose_in_groups", spent)
-        _timed(WorkingSet, "hold", spent)
+        _timed(RetrievalRuntime, "working_set", spent, "working_set")
+        for hold in ("hold", "hold_blocks"):
+            _timed(WorkingSet, hold, spent, "hold")
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
         kw["num_gpu_blocks_override"] = args["blocks"]
     n = args["tokens"]
@@ -136,7 +139,7 @@ def main() -> None:
                 by[s["setting"]].append(s)
             for name, segs in by.items():
                 row[name] = {"tpot_ms": statistics.median(s["tpot_ms"] for s in segs), "segments": segs}
-                for key in ("choose_in_groups_ms_per_step", "hold_ms_per_step"):
+                for key in ("working_set_ms_per_step", "hold_ms_per_step"):
                     if key in segs[0]:
                         row[name][key] = statistics.median(s[key] for s in segs)
         full = row["full attention"]["tpot_ms"]

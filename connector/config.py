@@ -199,11 +199,12 @@ SETTINGS: tuple[Setting, ...] = (
                  "clusters (ranked by centroid), so a step's cost grows slower than the history; 0 scores every "
                  "history token, every step.", 0, 1024),
     _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (and chunks of at most "
-                 "KVREEL_RETRIEVAL_ROWS_PER_SET tokens): how many times the budget's tokens a step scores exactly, "
-                 "the tokens of the blocks its own queries rank best by their keys' channel-wise bounds (Quest: a "
-                 "cost that grows with the blocks, not the tokens), from a history twice that long on. 0: they are "
-                 "narrowed as prefill chunks are (KVREEL_RETRIEVAL_CANDIDATES, KVREEL_RETRIEVAL_NARROWING).",
-                 0, 1024),
+                 "KVREEL_RETRIEVAL_ROWS_PER_SET tokens) attend to whole history blocks, copied as vLLM packed "
+                 "them: the blocks holding most of their queries' attention, scored exactly among this many times "
+                 "the budget's tokens of blocks that their queries rank best by their keys' channel-wise bounds "
+                 "(Quest: a cost that grows with the blocks, not the tokens), from a history twice that long on. "
+                 "0: they choose tokens as prefill chunks do (KVREEL_RETRIEVAL_CANDIDATES, "
+                 "KVREEL_RETRIEVAL_NARROWING).", 0, 1024),
     Setting("RETRIEVAL_NARROWING", str, "clusters", "clusters or pages",
             "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before a "
             "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid; the DRE runs beside "

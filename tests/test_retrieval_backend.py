@@ -157,13 +157,13 @@ def test_each_step_finds_its_own_long_rows(setup):
 
 
 def test_each_step_attends_to_what_its_own_queries_select(setup):
-    """With a budget below the history, every step scores the history with its own
-    queries and attends to exactly the sink block, the tokens it chose and the
-    resident blocks; a query that points at one key gets that key's token."""
+    """With a budget below the history, every decoding step scores the history
+    with its own queries and attends to exactly the sink block, the whole blocks
+    that hold most of its rows' attention (taken until every row holds alpha of
+    it) and the resident blocks; a query that points at one key gets its block."""
     import dataclasses
 
     from kvreel.connector.retrieval.page_packing import PagePacking
-    from kvreel.connector.retrieval.selection import select_tokens
     impl, runtime = setup
     g = torch.Generator().manual_seed(1)
     layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
@@ -178,11 +178,17 @@ def test_each_step_attends_to_what_its_own_queries_select(setup):
         q = torch.randn(query.shape, generator=g).bfloat16()
         q[0, :G] = (keys[needle, 0] * 8).bfloat16()              # head 0's query rows
         ws = _check_attends(impl, layer, cache, meta, q, "r")
-        hist_keys = keys[BS:14 * BS].transpose(0, 1)             # [H, tokens after the sink, D]
-        want = select_tokens(q[0].float().view(H, G, D), hist_keys, 0.9, 6 * BS, BS) + BS
+        orders, need = [], 1
+        for h in range(H):                                       # the blocks' attention mass, per row
+            share = torch.softmax(q[0, h * G:(h + 1) * G].float() @ keys[BS:14 * BS, h].float().T * D ** -0.5, -1)
+            mass = share.view(G, 13, BS).sum(-1)
+            order = mass.amax(0).argsort(descending=True)
+            taken = mass[:, order].cumsum(-1) - mass[:, order]
+            need = max(need, int((taken < 0.9 - 1e-6).sum(-1).max()))
+            orders.append(order + 1)
         for h in range(H):
-            held = ws.held[h, :ws.m * BS]
-            assert sorted(held.tolist()) == sorted(list(range(BS)) + want[h].tolist())
+            held = ws.held[h, :ws.m * BS:BS] // BS
+            assert held.tolist() == [0] + orders[h][:min(6, need)].tolist()
         assert needle in ws.held[0, :ws.m * BS].tolist()
     assert runtime.take_stats().data["retrieval_steps|selected"] == 3
 
@@ -248,6 +254,8 @@ def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
     runtime.working_set("r", 0, query[0].view(H, G, D))          # a first working set (all: exact)
     ws = runtime.working["r", 0]
     unpack = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)[meta.block_table[0, :14].long()]
+    keys, values = unpack(pages)
     for n_pages in (5, 7, 3):                                    # a choice, a larger one, a smaller one
         want = torch.stack([torch.randperm(14 * BS, generator=g)[:n_pages * BS] for _ in range(H)])
         ws.hold(lh, want)
@@ -255,11 +263,31 @@ def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
         assert bool((ws.held[:, n_pages * BS:] == -1).all())
         k, v = unpack(ws.buffer[:n_pages])                     # [n_pages bs, H, D], page position order
         for h in range(H):
-            assert torch.equal(k[:, h], lh.keys[h, want[h]].to(k.dtype)) and torch.equal(v[:, h], lh.values[h, want[h]])
+            assert torch.equal(k[:, h], keys[want[h], h]) and torch.equal(v[:, h], values[want[h], h])
+    blocks = torch.stack([torch.randperm(13, generator=g)[:4] + 1 for _ in range(H)])
+    ws.hold_blocks(lh, blocks)                                   # whole blocks, per head: page copies
+    assert ws.m == 4 and bool((ws.held[:, 4 * BS:] == -1).all())
+    for h in range(H):
+        assert torch.equal(ws.buffer[:4, h], pages[blocks[h], h])
+        assert torch.equal(ws.held[h, :4 * BS], (blocks[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten())
     ws.hold_in_order(lh)
-    k, v = unpack(ws.buffer[:14])
-    assert ws.m == 14 and torch.equal(k.transpose(0, 1), lh.keys[:, :14 * BS].to(k.dtype)) and \
-        torch.equal(v.transpose(0, 1), lh.values[:, :14 * BS])
+    assert ws.m == 14 and torch.equal(ws.buffer[:14], pages[:14])
+
+
+def test_values_are_read_from_the_pages_as_vllm_packed_them(setup):
+    """The history keeps vLLM's pages, not its values: a token's value read from
+    them (as rows, or through the packing's permutation, which any layout
+    takes) is the value vLLM was given."""
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(6)
+    layer, cache, meta, query = _batch([16 * BS + 3], [1], 40, g)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    lh = runtime.histories["r"].layers[0]
+    _, values = lh.packing.unpack(cache.view(cache.shape[0], H, 2 * BS, D)[meta.block_table[0, :14].long()])
+    tokens = torch.stack([torch.randperm(14 * BS, generator=g)[:100] for _ in range(H)])
+    for rows in (True, False):
+        got = lh.packing.values_at(lh.pages, tokens, rows=rows)
+        assert all(torch.equal(got[:, h], values[tokens[h], h]) for h in range(H))
 
 
 def _check_attends(impl, layer, cache, meta, query, req_id):
@@ -331,25 +359,30 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     assert stats["retrieval_steps|selected"] == 2 and stats["dre_tables|clustered"] == 1
 
 
-def test_a_decoding_step_is_narrowed_by_its_blocks_key_bounds(setup):
+def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):
     """Past ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` x the budget, a decoding step
     scores only the tokens of the blocks its own queries rank best by their keys'
-    bounds (no DRE is asked for), a query that points at one key still gets its
-    token, and a prefill chunk of the same request is not narrowed so."""
+    bounds (no DRE is asked for) and holds whole blocks, the sink's first, copied
+    as vLLM packed them; a query that points at one key still gets its block, and
+    a prefill chunk of the same request is not narrowed so."""
     impl, runtime = setup
     layer, cache, meta, q = _a_query_for_one_key(runtime, 11, retrieval_decode_candidates=2)
     hist = runtime.histories["r"]
     lh = hist.layers[0]
     count = runtime.kept_tokens(hist.num_blocks)
     assert count == 3 * BS and not runtime.clusters_for(hist)      # 14 blocks: chunks score every token
-    narrowed = lh.page_candidates(q[0].float().view(H, G, D), 2 * count)
-    assert narrowed.shape == (H, 6 * BS)
+    narrowed = lh.best_blocks(q[0].float().view(H, G, D), 6)
+    assert narrowed.shape == (H, 6)
     ws = _check_attends(impl, layer, cache, meta, q, "r")
+    pages = cache.view(cache.shape[0], H, 2 * BS, D)[meta.block_table[0].long()]
+    held = ws.held[:, :ws.m * BS:BS] // BS                          # [H, m]: the block at each page
+    assert 2 <= ws.m <= 4 and bool((held[:, 0] == 0).all())
     for h in range(H):
-        assert bool(torch.isin(ws.held[h, BS:ws.m * BS], narrowed[h]).all())    # only candidates were scored
-    assert 9 * BS + 4 in ws.held[0].tolist()
+        assert bool(torch.isin(held[h, 1:], narrowed[h]).all())     # only candidates were scored
+        assert torch.equal(ws.held[h, :ws.m * BS], (held[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten())
+        assert torch.equal(ws.buffer[:ws.m, h], pages[held[h], h])
+    assert 9 in held[0].tolist()
     assert not runtime.dre.holds("r", 0)
     every = runtime.choose_in_groups("r", 0, q[0].float().view(H, G, D), G)[0]
-    wider = runtime.choose_in_groups("r", 0, q[0].float().view(H, G, D), G, decoding=True)[0]
-    assert not all(bool(torch.isin(every[h, BS:], narrowed[h]).all()) for h in range(H)) and \
-        all(bool(torch.isin(wider[h, BS:], narrowed[h]).all()) for h in range(H))
+    candidates = [(narrowed[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten() for h in range(H)]
+    assert not all(bool(torch.isin(every[h, BS:], candidates[h]).all()) for h in range(H))

@@ -1,15 +1,16 @@
 """The host-memory history of a long session (KVMU, V-Rex's memory unit).
 
 Blocks that left a long request's local window live here, not in vLLM's
-paged cache: per layer and KV head, every token's key and value in token
-order (``[H, T, D]``), unpacked once from vLLM's pages as they arrive (the
-first block, the attention sinks, included). Values are kept in the model's
-dtype, keys in the dtype a step scores them in (``scoring_dtype``): on a CPU
-without 16-bit products, 16-bit keys are held in float32, converted once as
-they arrive rather than by every step that scores them (a sixth of a decode
-step's choice at 16 K tokens), for a history half as large again. A step reads
-only what it attends to: the runtime writes the chosen tokens into
-working-set pages in vLLM's packing (``write_history_pages``).
+paged cache: per layer, the pages as vLLM packed them (the first block, the
+attention sinks, included), and per KV head every token's key in token order
+(``[H, T, D]``), unpacked once as they arrive, in the dtype a step scores them
+in (``scoring_dtype``): on a CPU without 16-bit products, 16-bit keys are
+held in float32, converted once rather than by every step that scores them
+(a sixth of a decode step's choice at 16 K tokens). A step reads only what
+it attends to: a decoding step's whole blocks are page copies
+(``WorkingSet.hold_blocks``); a prefill group's chosen tokens are written
+into working-set pages in vLLM's packing (``write_history_pages``, their
+values read from the pages).
 
 The DRE labels every token after the sink block with its cluster (ReSV's hash
 bits or Mosaic's semantic clusters); the history keeps each cluster's key sum
@@ -17,7 +18,7 @@ and size per head, so a step can rank clusters by ``q . centroid`` and score
 exactly only the tokens of the best ones (``candidates``). Tokens the DRE has
 not labelled yet are always candidates. It also keeps every block's
 channel-wise key bounds (Quest's page bounds), so a step can instead rank
-blocks by the most any of their keys could score (``page_candidates``)."""
+blocks by the most any of their keys could score (``best_blocks``)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class LayerHistory:
         self.heads, self.block_size, self.head_dim, self.dtype = heads, block_size, head_dim, dtype
         self.packing = packing
         self.keys = torch.empty(heads, 0, head_dim, dtype=scoring_dtype(dtype))   # [H, capacity, D], token order
-        self.values = torch.empty(heads, 0, head_dim, dtype=dtype)
+        self.pages = torch.empty(0, heads, 2 * block_size, head_dim, dtype=dtype)    # [capacity blocks, ...]
         self.num_tokens = 0                                           # sink block included
         self.labels = torch.empty(heads, 0, dtype=torch.int64)        # per token after the sink; -1: unlabelled
         self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32)
@@ -106,20 +107,20 @@ class LayerHistory:
 
     @property
     def nbytes(self) -> int:
-        return self.heads * self.num_tokens * self.head_dim * (self.keys.element_size() + self.values.element_size())
+        return self.heads * self.num_tokens * self.head_dim * (self.keys.element_size() + 2 * self.pages.element_size())
 
     def append(self, pages: torch.Tensor, first_block: int) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
         keys of their tokens after the sink block ``[H, m, D]`` (float32, for the DRE)."""
         if first_block * self.block_size != self.num_tokens:
             raise ValueError(f"history holds {self.num_tokens} tokens, got blocks from {first_block}")
-        k, v = self.packing.unpack(pages)                                 # [n bs, H, D]
+        k = self.packing.unpack_part(pages, 0)                            # [n bs, H, D]
         n = k.shape[0]
         self._reserve(self.num_tokens + n)
         self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
-        self.values[:, self.num_tokens:self.num_tokens + n] = v.transpose(0, 1)
         blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
+        self.pages[first:last] = pages
         self.page_max[:, first:last] = blocks.amax(1).transpose(0, 1)
         self.page_min[:, first:last] = blocks.amin(1).transpose(0, 1)
         self.num_tokens += n
@@ -134,13 +135,16 @@ class LayerHistory:
         if tokens <= cap:
             return
         new_cap = max(tokens, 2 * cap, 16 * self.block_size)
-        for name, size, used in (("keys", new_cap, self.num_tokens), ("values", new_cap, self.num_tokens),
-                                 ("page_max", new_cap // self.block_size, self.num_tokens // self.block_size),
-                                 ("page_min", new_cap // self.block_size, self.num_tokens // self.block_size)):
+        blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
+        for name, size, used in (("keys", new_cap, self.num_tokens), ("page_max", blocks, used_blocks),
+                                 ("page_min", blocks, used_blocks)):
             old = getattr(self, name)
             grown = torch.empty(self.heads, size, self.head_dim, dtype=old.dtype)
             grown[:, :used] = old[:, :used]
             setattr(self, name, grown)
+        grown = torch.empty(blocks, *self.pages.shape[1:], dtype=self.pages.dtype)
+        grown[:used_blocks] = self.pages[:used_blocks]
+        self.pages = grown
 
     def dre_keys(self) -> torch.Tensor:
         """Every key after the sink block ``[H, T - bs, D]`` (float32): to cluster anew."""
@@ -201,31 +205,32 @@ class LayerHistory:
         return out + self.block_size
 
     def page_candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
-        """Per head, the tokens of the blocks after the sink block that the query rows
-        ``[H, R, D]`` rank best, at least ``count`` of them in whole blocks ``[H, n]``
-        (token ids). A block's bound for a row is the most ``q . k`` any key inside
-        its channel-wise bounds can reach (``q+ . max + q- . min``, Quest), so the
-        block holding a row's best token ranks at least as high as that token
-        scores; rows count by their softmax share over the blocks (so one row's
-        larger query norm does not outvote the others) and a block by the most
-        any row gives it, as ``select_tokens`` ranks tokens."""
+        """The tokens ``[H, n]`` of the ``best_blocks`` holding at least ``count`` tokens."""
         bs = self.block_size
+        return (self.best_blocks(queries, -(-count // bs)).unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+
+    def best_blocks(self, queries: torch.Tensor, count: int) -> torch.Tensor:
+        """Per head, the ``count`` blocks after the sink block ``[H, count]`` that the
+        query rows ``[H, R, D]`` rank best (fewer where the history has fewer). A
+        block's bound for a row is the most ``q . k`` any key inside its channel-wise
+        bounds can reach (``q+ . max + q- . min``, Quest), so the block holding a
+        row's best token ranks at least as high as that token scores; rows count by
+        their softmax share over the blocks (so one row's larger query norm does not
+        outvote the others) and a block by the most any row gives it, as
+        ``select_tokens`` ranks tokens."""
         q = queries.float() * self.head_dim ** -0.5
-        held = self.num_tokens // bs
+        held = self.num_tokens // self.block_size
         hi, lo = self.page_max[:, 1:held], self.page_min[:, 1:held]
         bound = torch.bmm(q.clamp_min(0), hi.transpose(1, 2)) + torch.bmm(q.clamp_max(0), lo.transpose(1, 2))
         rank = torch.softmax(bound, dim=-1).amax(1)                                    # [H, blocks - 1]
-        blocks = torch.topk(rank, min(rank.shape[1], -(-count // bs)), dim=1, sorted=False).indices + 1
-        return (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+        return torch.topk(rank, min(rank.shape[1], count), dim=1, sorted=False).indices + 1
 
-    def block_keys(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The keys ``[H, n, D]`` of ``tokens`` ``[H, n]`` made of whole blocks, each
-        in token order (``page_candidates``'): copied a block at a time, where
-        ``rows_of`` copies a row at a time (4 K rows of a 16 K history: 3-4x
-        the time on this machine)."""
-        bs = self.block_size
-        per_block = self.keys[:, :self.num_tokens].view(self.heads, -1, bs * self.head_dim)
-        return rows_of(per_block, tokens[:, ::bs] // bs).view(self.heads, -1, self.head_dim)
+    def block_keys(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The keys ``[H, n bs, D]`` of ``blocks`` ``[H, n]``, each block's in token
+        order: copied a block at a time, where ``rows_of`` copies a row at a time
+        (4 K rows of a 16 K history: 3-4x the time on this machine)."""
+        per_block = self.keys[:, :self.num_tokens].view(self.heads, -1, self.block_size * self.head_dim)
+        return rows_of(per_block, blocks).view(self.heads, -1, self.head_dim)
 
     def _cluster_index(self, count: int) -> ClusterIndex:
         """The cluster index, rebuilt when labels moved (a Mosaic split) or once

@@ -54,16 +54,32 @@ class PagePacking:
         self.block_size, self.head_dim, self.dtype, self.isa = block_size, head_dim, dtype, isa
         self.perm = _permutation(block_size, head_dim, dtype, isa)
 
+        # the V part as plain rows (token t's channels at t * D...): then one token's value is a row copy
+        self.values_in_rows = bool(torch.equal(self.perm[1], torch.arange(block_size * head_dim)))
+
     def unpack(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages ``[n, H, 2 * bs, D]`` -> (K, V) each ``[n * bs, H, D]`` (tokens in order)."""
+        return self.unpack_part(pages, 0), self.unpack_part(pages, 1)
+
+    def unpack_part(self, pages: torch.Tensor, part: int) -> torch.Tensor:
+        """K (``part`` 0) or V (1) of pages ``[n, H, 2 * bs, D]`` as ``[n * bs, H, D]``."""
         n, H = pages.shape[0], pages.shape[1]
         bs, D = self.block_size, self.head_dim
-        flat = pages.reshape(n, H, 2, bs * D)
-        k = flat[:, :, 0].index_select(-1, self.perm[0])
-        v = flat[:, :, 1].index_select(-1, self.perm[1])
-        # [n, H, bs, D] -> [n * bs, H, D]
-        return (k.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D),
-                v.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D))
+        x = pages.reshape(n, H, 2, bs * D)[:, :, part].index_select(-1, self.perm[part])
+        return x.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D)     # [n, H, bs, D] -> [n bs, H, D]
+
+    def values_at(self, pages: torch.Tensor, tokens: torch.Tensor, rows: bool | None = None) -> torch.Tensor:
+        """The values ``[n, H, D]`` of tokens ``[H, n]`` (per head; token t in page
+        ``t // bs``) of pages ``[N, H, 2 * bs, D]``, without unpacking the pages:
+        a row copy per token where V is stored in rows (``rows`` None: as this
+        packing stores it), else an element gather through the permutation."""
+        H, n = tokens.shape
+        bs, D = self.block_size, self.head_dim
+        at = (tokens // bs * H + torch.arange(H).unsqueeze(1)) * (2 * bs) + bs             # [H, n]: V part's first row
+        within = (tokens % bs).T                                                        # [n, H]
+        if self.values_in_rows if rows is None else rows:
+            return pages.view(-1, D).index_select(0, (at.T + within).flatten()).view(n, H, D)
+        return pages.view(-1).take(at.T.unsqueeze(-1) * D + self.perm[1].view(bs, D)[within])
 
     def pack(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         """Write tokens ``[n, H, D]`` into ``cache`` ``[blocks, H, 2 * bs, D]`` at ``slots``."""

@@ -23,12 +23,14 @@ What each layer keeps:
   ``alpha`` of its mass. Nothing waits and nothing is stale: the first token
   after a prompt attends to what its own query asks for.
 
-Which tokens a decoding step (or a chunk of at most
-``KVREEL_RETRIEVAL_ROWS_PER_SET`` tokens: one working set) scores: those of the
-blocks its own queries rank best by their keys' channel-wise bounds (Quest),
-``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` (2) times the budget, once the history is
-twice that: ranking blocks costs a step what the history's blocks number, not
-its tokens, so decoding need not read every key as full attention does.
+A decoding step (or a chunk of at most ``KVREEL_RETRIEVAL_ROWS_PER_SET``
+tokens: one working set) keeps whole blocks (``choose_blocks``): it scores
+exactly the tokens of the blocks its own queries rank best by their keys'
+channel-wise bounds (Quest), ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` (2) times
+the budget, once the history is twice that, and keeps the blocks that hold
+most of its rows' attention, copied as vLLM packed them. Ranking blocks costs
+a step what the history's blocks number, not its tokens, so decoding need not
+read every key as full attention does, and the copy needs no repacking.
 A prefill chunk's rows (many, with different wants, crowding so few
 candidates) score all tokens, exactly, while the history is less than twice
 ``KVREEL_RETRIEVAL_CANDIDATES`` times the budget; past that, the DRE's
@@ -58,7 +60,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
 from kvreel.connector.retrieval.history import RequestHistory
 from kvreel.connector.retrieval.page_packing import PagePacking
-from kvreel.connector.retrieval.selection import choose_tokens_in_groups, kept_tokens, narrows
+from kvreel.connector.retrieval.selection import choose_blocks, choose_tokens_in_groups, kept_tokens, narrows
 from kvreel.connector.retrieval.working_set import WorkingSet
 from kvreel.connector.stats import KVReelStats, register_stats_source
 from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
@@ -226,9 +228,11 @@ class RetrievalRuntime:
 
     # -- attention ----------------------------------------------------------------------
     def working_set(self, req_id: str, layer: int, queries: torch.Tensor) -> WorkingSet:
-        """The working set of this (request, layer) for this step: the sink block
-        and the history tokens this step's own queries ``[H, R, D]`` want most
-        (``choose_tokens``), written into its pages where they are not already."""
+        """The working set of this (request, layer) for a step of at most one set's
+        rows (a decoding step): the sink block and the history its own queries
+        ``[H, R, D]`` want most, in whole blocks (``choose_blocks``), or with
+        ``KVREEL_RETRIEVAL_DECODE_CANDIDATES=0`` in tokens as a prefill group
+        chooses them (``choose_tokens``)."""
         hist = self.histories[req_id]
         ws = self.working.get((req_id, layer))
         if ws is None:
@@ -240,35 +244,46 @@ class RetrievalRuntime:
             ws.hold_in_order(hist.layers[layer])
             self.count("retrieval_steps", label="exact")
             return ws
-        ws.hold(hist.layers[layer], self.choose_in_groups(req_id, layer, queries, queries.shape[1], decoding=True)[0])
+        lh = hist.layers[layer]
+        if self.cfg.retrieval_decode_candidates:
+            dre_down = self._ask_dre(req_id, layer)
+            blocks = choose_blocks(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
+                                   self.cfg.retrieval_decode_candidates)
+            self._count_choice(hist, dre_down, blocks.shape[1])
+            ws.hold_blocks(lh, blocks)
+        else:
+            ws.hold(lh, self.choose_in_groups(req_id, layer, queries, queries.shape[1])[0])
         return ws
 
-    def choose_in_groups(self, req_id: str, layer: int, queries: torch.Tensor, group_rows: int,
-                         decoding: bool = False) -> list[torch.Tensor]:
+    def choose_in_groups(self, req_id: str, layer: int, queries: torch.Tensor, group_rows: int) -> list[torch.Tensor]:
         """For every run of ``group_rows`` of the query rows ``[H, R, D]`` (a group
         of a prefill chunk's tokens), the history tokens it attends to ``[H, bs + m]``
-        (``choose_tokens_in_groups``); the DRE is asked to cluster a history it lacks.
-        A ``decoding`` step's few rows are narrowed by the blocks' key bounds
-        (``KVREEL_RETRIEVAL_DECODE_CANDIDATES``): its cost then grows with the
-        history's blocks, where scoring every token (or ranking clusters) grows
-        with its tokens; a chunk's many rows would crowd so few candidates."""
+        (``choose_tokens_in_groups``)."""
+        hist = self.histories[req_id]
+        dre_down = self._ask_dre(req_id, layer)
+        chosen = choose_tokens_in_groups(hist.layers[layer], queries, group_rows, self.cfg.retrieval_alpha,
+                                         self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
+                                         self.cfg.retrieval_narrowing)
+        for tokens in chosen:
+            self._count_choice(hist, dre_down, tokens.shape[1] // self.block_size)
+        return chosen
+
+    def _ask_dre(self, req_id: str, layer: int) -> bool:
+        """The DRE's new labels applied, and a history that needs its clusters but
+        has none sent to it; whether it needs them while the DRE is down."""
         self.dre.take_labels(self.histories)
         hist = self.histories[req_id]
-        lh = hist.layers[layer]
         clustered = self.clusters_for(hist)
         client = self.dre.client() if clustered else None
         if client is not None and not self.dre.holds(req_id, layer):                  # a new DRE: cluster anew
+            lh = hist.layers[layer]
             self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, self.working.get((req_id, layer)))
-        candidates, narrowing = self.cfg.retrieval_candidates, self.cfg.retrieval_narrowing
-        if decoding and self.cfg.retrieval_decode_candidates:
-            candidates, narrowing = self.cfg.retrieval_decode_candidates, "pages"
-        chosen = choose_tokens_in_groups(lh, queries, group_rows, self.cfg.retrieval_alpha,
-                                         self.kept_tokens(hist.num_blocks), candidates, narrowing)
-        for tokens in chosen:
-            self.count("retrieval_steps", label="dre_down" if clustered and client is None else "selected")
-            self.count("retrieval_history_blocks", hist.num_blocks)
-            self.count("retrieval_kept_blocks", tokens.shape[1] // self.block_size)
-        return chosen
+        return clustered and client is None
+
+    def _count_choice(self, hist: RequestHistory, dre_down: bool, kept_blocks: int) -> None:
+        self.count("retrieval_steps", label="dre_down" if dre_down else "selected")
+        self.count("retrieval_history_blocks", hist.num_blocks)
+        self.count("retrieval_kept_blocks", kept_blocks)
 
     def scratch(self, pages: int) -> torch.Tensor:
         """``pages`` cache pages ``[pages, H, 2 bs, D]`` for one kernel call's working

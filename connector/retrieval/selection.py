@@ -145,8 +145,9 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
     bs = lh.block_size
     if narrows(candidates, count, lh.num_tokens - bs):
         if narrowing == "pages":
-            scored = lh.page_candidates(queries, candidates * count)
-            keys = lh.block_keys(scored)
+            blocks = lh.best_blocks(queries, -(-candidates * count // bs))
+            scored = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+            keys = lh.block_keys(blocks)
         else:
             scored = lh.candidates(queries, candidates * count)
             keys = rows_of(lh.keys, scored)
@@ -156,3 +157,32 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
                                                    group_rows)]
     sink = torch.arange(bs).expand(lh.heads, -1)
     return [torch.cat([sink, c], 1) for c in chosen]
+
+
+def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int) -> torch.Tensor:
+    """The history blocks a decoding step's few query rows ``[H, R, D]`` attend to
+    ``[H, 1 + m]``: the sink block, then at most ``count`` tokens' worth of whole
+    blocks, best first. The blocks the rows rank best by their keys' bounds
+    (``candidates`` x ``count`` tokens of them, where that at least halves the
+    history) are scored exactly, token by token; a block ranks by the largest
+    share of its row's attention it holds for any row, and blocks are taken in
+    that order until every row holds ``alpha`` of its mass (WiCSum) or ``count``.
+    Whole blocks are what makes a decoding step cheap: the history keeps them as
+    vLLM packed them, so holding them is a page copy, and ranking a few dozen
+    blocks replaces sorting thousands of tokens."""
+    bs, H = lh.block_size, lh.heads
+    held = lh.num_tokens // bs
+    if narrows(candidates, count, lh.num_tokens - bs):
+        scored = lh.best_blocks(queries, -(-candidates * count // bs))
+    else:
+        scored = torch.arange(1, held).expand(H, -1)
+    n = scored.shape[1]
+    q = queries.to(lh.keys.dtype) * queries.shape[-1] ** -0.5
+    share = torch.softmax(_scores(lh.block_keys(scored), q).float(), -1)                # [H, R, n bs]
+    mass = share.view(H, q.shape[1], n, bs).sum(-1)                                      # [H, R, n]
+    order = mass.amax(1).argsort(dim=1, descending=True)
+    keep = min(n, max(1, count // bs))
+    if alpha < 1:
+        keep = min(keep, max(1, _tokens_for_alpha(mass.gather(2, order.unsqueeze(1).expand_as(mass)), alpha)))
+    sink = torch.zeros(H, 1, dtype=scored.dtype)
+    return torch.cat([sink, scored.gather(1, order[:, :keep])], 1)

@@ -1,8 +1,9 @@
 """A long request's working set for one layer: the pages vLLM's kernel reads.
 
 The runtime keeps one per (request, layer) in a slot of the layer's buffer;
-here is what it holds and how a new choice of history tokens gets written into
-it: whole page runs in vLLM's page packing (``write_history_pages``)."""
+here is what it holds and how a new choice gets written into it: whole
+history blocks as page copies, chosen tokens as page runs in vLLM's packing
+(``write_history_pages``)."""
 
 from __future__ import annotations
 
@@ -24,19 +25,33 @@ class WorkingSet:
     m: int = 0
 
     def hold_in_order(self, lh: LayerHistory) -> None:
-        """Every history token, token t at page position t (as vLLM's own cache
-        holds them, so the kernel sums in the same order); pages from the first
-        position that holds another token on are written (the history grows at
-        its end, so mostly only its newest pages)."""
+        """Every history block in order, block b at page b (as vLLM's own cache
+        holds them: the kernel sums in the same order, over the same bytes); pages
+        from the first that holds another block on are copied (the history grows
+        at its end, so mostly only its newest)."""
         n, bs = lh.num_tokens, lh.block_size
-        want = torch.arange(n)
-        differs = (self.held[:, :n] != want).any(0).nonzero()
+        differs = (self.held[:, :n] != torch.arange(n)).any(0).nonzero()
         if differs.numel():
-            first = int(differs[0]) // bs * bs
-            write_history_pages(self.buffer[first // bs:], lh, want[first:].expand(lh.heads, -1))
-        self.held[:, :n] = want
-        self.held[:, n:] = -1
-        self.m = n // bs
+            first = int(differs[0]) // bs
+            self.buffer[first:n // bs] = lh.pages[first:n // bs]
+        self._note(torch.arange(n // bs).expand(lh.heads, -1), bs)
+
+    def hold_blocks(self, lh: LayerHistory, blocks: torch.Tensor) -> None:
+        """History blocks ``blocks`` ``[H, m]`` (per head) in the first ``m`` pages,
+        in that order: a head's share of a page is one contiguous run, so the
+        whole choice is one row copy out of the history's pages."""
+        H, m = blocks.shape
+        rows = (blocks * H + torch.arange(H).unsqueeze(1)).T.flatten()          # [m, H] order
+        width = self.buffer[0, 0].numel()
+        torch.index_select(lh.pages.view(-1, width), 0, rows, out=self.buffer.view(-1, width)[:m * H])
+        self._note(blocks, lh.block_size)
+
+    def _note(self, blocks: torch.Tensor, bs: int) -> None:
+        """The pages now hold ``blocks`` ``[H, m]``, whole."""
+        m = blocks.shape[1]
+        self.held[:, :m * bs] = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+        self.held[:, m * bs:] = -1
+        self.m = m
 
     def hold(self, lh: LayerHistory, want: torch.Tensor) -> None:
         """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
@@ -59,5 +74,4 @@ def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Ten
     H, n = tokens.shape
     rows = (tokens + torch.arange(H).unsqueeze(1) * lh.keys.shape[1]).T.flatten()     # [n, H] order
     k = lh.keys.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1).to(lh.dtype)
-    v = lh.values.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1)
-    lh.packing.pack(k, v, pages, torch.arange(n))
+    lh.packing.pack(k, lh.packing.values_at(lh.pages, tokens), pages, torch.arange(n))
