@@ -245,6 +245,7 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
 def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
     """Each choice is written whole, in its order (over whatever the last one
     left); a history attended in order again is written back in token order."""
+    from kvreel.connector.retrieval.history import block_tokens
     from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup
     g = torch.Generator().manual_seed(5)
@@ -269,7 +270,7 @@ def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
     assert ws.m == 4 and bool((ws.held[:, 4 * BS:] == -1).all())
     for h in range(H):
         assert torch.equal(ws.buffer[:4, h], pages[blocks[h], h])
-        assert torch.equal(ws.held[h, :4 * BS], (blocks[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten())
+        assert torch.equal(ws.held[h, :4 * BS], block_tokens(blocks, BS)[h])
     ws.hold_in_order(lh)
     assert ws.m == 14 and torch.equal(ws.buffer[:14], pages[:14])
 
@@ -365,6 +366,7 @@ def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):
     bounds (no DRE is asked for) and holds whole blocks, the sink's first, copied
     as vLLM packed them; a query that points at one key still gets its block, and
     a prefill chunk of the same request is not narrowed so."""
+    from kvreel.connector.retrieval.history import block_tokens
     impl, runtime = setup
     layer, cache, meta, q = _a_query_for_one_key(runtime, 11, retrieval_decode_candidates=2)
     hist = runtime.histories["r"]
@@ -379,10 +381,10 @@ def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):
     assert 2 <= ws.m <= 4 and bool((held[:, 0] == 0).all())
     for h in range(H):
         assert bool(torch.isin(held[h, 1:], narrowed[h]).all())     # only candidates were scored
-        assert torch.equal(ws.held[h, :ws.m * BS], (held[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten())
+        assert torch.equal(ws.held[h, :ws.m * BS], block_tokens(held, BS)[h])
         assert torch.equal(ws.buffer[:ws.m, h], pages[held[h], h])
     assert 9 in held[0].tolist()
     assert not runtime.dre.holds("r", 0)
     every = runtime.choose_in_groups("r", 0, q[0].float().view(H, G, D), G)[0]
-    candidates = [(narrowed[h].unsqueeze(-1) * BS + torch.arange(BS)).flatten() for h in range(H)]
+    candidates = block_tokens(narrowed, BS)
     assert not all(bool(torch.isin(every[h, BS:], candidates[h]).all()) for h in range(H))

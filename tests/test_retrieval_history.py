@@ -207,7 +207,7 @@ def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
     wanted by one row of a chunk whose other rows want block 3), both wanted
     blocks are candidates, and choose_tokens keeps the needle. Appended in
     pieces, the bounds are those of the whole history."""
-    from kvreel.connector.retrieval.history import rows_of
+    from kvreel.connector.retrieval.history import block_tokens, rows_of
     from kvreel.connector.retrieval.selection import choose_tokens
     lh, k, v = history(blocks=40, seed=3)
     needle, common = 17 * BS + 5, 3 * BS + 1
@@ -227,11 +227,12 @@ def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
         torch.bmm(q.clamp_max(0), lh.page_min[:, :40].transpose(1, 2))
     scores = torch.bmm(q, keys.transpose(1, 2)).view(H, 24, 40, BS).amax(-1)
     assert bool((bound >= scores - 1e-4).all())
-    picked = lh.page_candidates(queries, 2 * BS)
-    assert picked.shape == (H, 2 * BS) and int(picked.min()) >= BS        # never the sink block
+    blocks = lh.best_blocks(queries, 2)
+    assert blocks.shape == (H, 2) and int(blocks.min()) >= 1               # never the sink block
     for h in range(H):
-        assert {3, 17} == set((picked[h] // BS).tolist())
-    assert torch.equal(lh.block_keys(picked[:, ::BS] // BS), rows_of(lh.keys, picked))   # copied by block
+        assert {3, 17} == set(blocks[h].tolist())
+    picked = block_tokens(blocks, BS)
+    assert torch.equal(lh.block_keys(blocks), rows_of(lh.keys, picked))   # copied by block, the same keys
     kept = choose_tokens(lh, queries, alpha=0.9, count=BS, candidates=2, narrowing="pages")
     assert bool((kept[:, :BS] == torch.arange(BS)).all())                 # the sink block first
     assert all(needle in row for row in kept.tolist())

@@ -60,6 +60,11 @@ def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def block_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The token ids ``[H, n bs]`` of blocks ``[H, n]``, each block's in order."""
+    return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)
+
+
 class ClusterIndex:
     """Per head, the history's tokens grouped by cluster, as the DRE's labels
     stood when it was built: ``order`` lists the unlabelled tokens, then
@@ -203,11 +208,6 @@ class LayerHistory:
             if count > a:
                 out[h, a:] = index.best(h, ranked[h], count - a)
         return out + self.block_size
-
-    def page_candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
-        """The tokens ``[H, n]`` of the ``best_blocks`` holding at least ``count`` tokens."""
-        bs = self.block_size
-        return (self.best_blocks(queries, -(-count // bs)).unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
 
     def best_blocks(self, queries: torch.Tensor, count: int) -> torch.Tensor:
         """Per head, the ``count`` blocks after the sink block ``[H, count]`` that the

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory, rows_of, scoring_dtype
+from kvreel.connector.retrieval.history import LayerHistory, block_tokens, rows_of, scoring_dtype
 
 ROWS_AT_ONCE = 32            # query rows scored together
 
@@ -146,7 +146,7 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
     if narrows(candidates, count, lh.num_tokens - bs):
         if narrowing == "pages":
             blocks = lh.best_blocks(queries, -(-candidates * count // bs))
-            scored = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+            scored = block_tokens(blocks, bs)
             keys = lh.block_keys(blocks)
         else:
             scored = lh.candidates(queries, candidates * count)

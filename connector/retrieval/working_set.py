@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory
+from kvreel.connector.retrieval.history import LayerHistory, block_tokens
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ class WorkingSet:
     def _note(self, blocks: torch.Tensor, bs: int) -> None:
         """The pages now hold ``blocks`` ``[H, m]``, whole."""
         m = blocks.shape[1]
-        self.held[:, :m * bs] = (blocks.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)
+        self.held[:, :m * bs] = block_tokens(blocks, bs)
         self.held[:, m * bs:] = -1
         self.m = m
 
