@@ -286,8 +286,11 @@ def test_values_are_read_from_the_pages_as_vllm_packed_them(setup):
     lh = runtime.histories["r"].layers[0]
     _, values = lh.packing.unpack(cache.view(cache.shape[0], H, 2 * BS, D)[meta.block_table[0, :14].long()])
     tokens = torch.stack([torch.randperm(14 * BS, generator=g)[:100] for _ in range(H)])
-    for rows in (True, False):
-        got = lh.packing.values_at(lh.pages, tokens, rows=rows)
+    from kvreel.connector.retrieval.page_packing import PagePacking
+    through_permutation = PagePacking(BS, D, torch.bfloat16, layer.isa)
+    through_permutation.values_in_rows = False             # the general path, whatever this ISA stores
+    for packing in (lh.packing, through_permutation):
+        got = packing.values_at(lh.pages, tokens)
         assert all(torch.equal(got[:, h], values[tokens[h], h]) for h in range(H))
 
 

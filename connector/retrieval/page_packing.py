@@ -68,16 +68,16 @@ class PagePacking:
         x = pages.reshape(n, H, 2, bs * D)[:, :, part].index_select(-1, self.perm[part])
         return x.view(n, H, bs, D).transpose(1, 2).reshape(n * bs, H, D)     # [n, H, bs, D] -> [n bs, H, D]
 
-    def values_at(self, pages: torch.Tensor, tokens: torch.Tensor, rows: bool | None = None) -> torch.Tensor:
+    def values_at(self, pages: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The values ``[n, H, D]`` of tokens ``[H, n]`` (per head; token t in page
         ``t // bs``) of pages ``[N, H, 2 * bs, D]``, without unpacking the pages:
-        a row copy per token where V is stored in rows (``rows`` None: as this
-        packing stores it), else an element gather through the permutation."""
+        a row copy per token where V is stored in rows, else an element gather
+        through the permutation."""
         H, n = tokens.shape
         bs, D = self.block_size, self.head_dim
         at = (tokens // bs * H + torch.arange(H).unsqueeze(1)) * (2 * bs) + bs             # [H, n]: V part's first row
         within = (tokens % bs).T                                                        # [n, H]
-        if self.values_in_rows if rows is None else rows:
+        if self.values_in_rows:
             return pages.view(-1, D).index_select(0, (at.T + within).flatten()).view(n, H, D)
         return pages.view(-1).take(at.T.unsqueeze(-1) * D + self.perm[1].view(bs, D)[within])
 
