@@ -234,13 +234,29 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
 
 def machine() -> dict:
     """Where a figure was measured. The CPU's vector ISA is part of it: on an
-    AVX2-only CPU torch's bf16 matrix products run ~45x slower than float32's."""
+    AVX2-only CPU torch's bf16 matrix products run ~45x slower than float32's
+    (``bf16_products``: whether this one has them in hardware)."""
     import torch
-    info = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+
+    from kvreel.connector.retrieval.history import scoring_dtype
+    info = {"platform": platform.platform(), "cpu_model": cpu_model(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+            "bf16_products": scoring_dtype(torch.bfloat16) == torch.bfloat16,
+            "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "vllm_engine_env": {k: engine_env()[k] for k in EQUAL_CPU_SPLIT}}
     return {**info, **package_versions()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def package_versions() -> dict:

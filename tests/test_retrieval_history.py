@@ -201,6 +201,38 @@ def test_16bit_keys_are_scored_in_float32_where_the_cpu_lacks_16bit_products(mon
             assert all(torch.equal(a, b) for a, b in zip(half, full))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_choices_made_in_reused_scratch_memory_are_those_made_in_fresh_memory(monkeypatch, dtype):
+    """The runtime's choices write their temporaries (a prefill chunk's scoring
+    passes, a decoding step's candidates' keys) into one ``Scratch`` kept across
+    layers and steps: the same tokens and blocks as with fresh tensors, for keys
+    scored as they are (here also bf16) given as a slice of the history's, and
+    the memory is reused, not allocated again."""
+    from kvreel.connector.retrieval import history as hist_mod
+    from kvreel.connector.retrieval.history import Scratch
+    from kvreel.connector.retrieval.selection import choose_blocks, select_in_groups
+    monkeypatch.setattr(hist_mod, "_native_half_products", lambda: True)     # bf16 scored as bf16
+    g = torch.Generator().manual_seed(9)
+    held = torch.randn(H, 900, D, generator=g).to(dtype)
+    keys = held[:, 100:740]                                                   # heads a capacity apart
+    queries = (torch.randn(H, 40, D, generator=g) * 2).to(dtype)
+    scratch = Scratch()
+    for alpha, group_rows in ((0.9, 8), (0.9, 24), (1.0, 16)):
+        fresh = select_in_groups(queries, keys, alpha, 256, BS, group_rows)
+        reused = select_in_groups(queries, keys, alpha, 256, BS, group_rows, scratch)
+        assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    lh, k, v = history(blocks=40, seed=4)
+    lh.append(pages_of(k, v), 0)
+    q = torch.randn(H, 3, D, generator=g).to(lh.keys.dtype) * 3
+    for candidates in (2, 8):
+        assert torch.equal(choose_blocks(lh, q, 0.9, 4 * BS, candidates),
+                           choose_blocks(lh, q, 0.9, 4 * BS, candidates, scratch))
+    first = scratch.take("keys", 1000, torch.float32)
+    assert scratch.take("keys", 500, torch.float32).data_ptr() == first.data_ptr()     # reused
+    assert scratch.take("keys", 3000, torch.float32).numel() == 3000                   # grown where too small
+    assert scratch.take("other", 10, torch.float32).data_ptr() != first.data_ptr()    # by name
+
+
 def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
     """Each block's channel-wise key bounds (Quest): its bound for a query is at
     least every one of its keys' scores; with 40 blocks narrowed to 2 (one

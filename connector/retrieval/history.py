@@ -49,12 +49,14 @@ def scoring_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dtype
 
 
-def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def rows_of(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x[h, index[h]]`` for every head: ``[H, n, D]`` from ``x`` ``[H, T, D]`` and
-    ``index`` ``[H, n]``. Row copies (``index_select``) rather than ``torch.gather``
-    with an expanded index, which on CPU copies element by element: 25x slower
-    for 16 K keys of 64 channels on this machine, and most of a decode step."""
-    out = torch.empty(*index.shape, x.shape[2], dtype=x.dtype, device=x.device)
+    ``index`` ``[H, n]`` (into ``out`` where given). Row copies (``index_select``)
+    rather than ``torch.gather`` with an expanded index, which on CPU copies
+    element by element: 25x slower for 16 K keys of 64 channels on this
+    machine, and most of a decode step."""
+    if out is None:
+        out = torch.empty(*index.shape, x.shape[2], dtype=x.dtype, device=x.device)
     for h in range(x.shape[0]):
         torch.index_select(x[h], 0, index[h], out=out[h])          # in place: no second copy to stack them
     return out
@@ -63,6 +65,24 @@ def rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def block_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """The token ids ``[H, n bs]`` of blocks ``[H, n]``, each block's in order."""
     return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)
+
+
+class Scratch:
+    """Memory reused by every layer and step for a step's temporaries, by name:
+    a large allocation per call is fresh memory to fault in (on CPU, often more
+    than the work done in it: half of a decoding step's choice at 16 K tokens)."""
+
+    def __init__(self):
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` (flat) for ``name``, overwriting what it
+        was last given."""
+        flat = self._flat.get(name)
+        if flat is None or flat.numel() < numel or flat.dtype != dtype:
+            grown = 2 * flat.numel() if flat is not None and flat.dtype == dtype else 0
+            flat = self._flat[name] = torch.empty(max(numel, grown), dtype=dtype)
+        return flat[:numel]
 
 
 class ClusterIndex:
@@ -225,12 +245,15 @@ class LayerHistory:
         rank = torch.softmax(bound, dim=-1).amax(1)                                    # [H, blocks - 1]
         return torch.topk(rank, min(rank.shape[1], count), dim=1, sorted=False).indices + 1
 
-    def block_keys(self, blocks: torch.Tensor) -> torch.Tensor:
+    def block_keys(self, blocks: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
         """The keys ``[H, n bs, D]`` of ``blocks`` ``[H, n]``, each block's in token
-        order: copied a block at a time, where ``rows_of`` copies a row at a time
-        (4 K rows of a 16 K history: 3-4x the time on this machine)."""
+        order (in ``scratch`` where given): copied a block at a time, where
+        ``rows_of`` copies a row at a time (4 K rows of a 16 K history: 3-4x the
+        time on this machine)."""
         per_block = self.keys[:, :self.num_tokens].view(self.heads, -1, self.block_size * self.head_dim)
-        return rows_of(per_block, blocks).view(self.heads, -1, self.head_dim)
+        out = None if scratch is None else \
+            scratch.take("keys", blocks.numel() * per_block.shape[2], self.keys.dtype).view(*blocks.shape, -1)
+        return rows_of(per_block, blocks, out).view(self.heads, -1, self.head_dim)
 
     def _cluster_index(self, count: int) -> ClusterIndex:
         """The cluster index, rebuilt when labels moved (a Mosaic split) or once

@@ -58,7 +58,7 @@ import torch
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
-from kvreel.connector.retrieval.history import RequestHistory
+from kvreel.connector.retrieval.history import RequestHistory, Scratch
 from kvreel.connector.retrieval.page_packing import PagePacking
 from kvreel.connector.retrieval.selection import choose_blocks, choose_tokens_in_groups, kept_tokens, narrows
 from kvreel.connector.retrieval.working_set import WorkingSet
@@ -95,6 +95,7 @@ class RetrievalRuntime:
         self.caches: dict[int, torch.Tensor] = {}  # layer -> the engine's cache [blocks, H, 2 bs, D]
         self.packing: PagePacking | None = None
         self._scratch = torch.empty(0)
+        self._temporaries = Scratch()                  # a step's choice: scored keys, scoring passes
         self.resident_pages = 0
         self.max_batched_tokens = 0
         self.stats = KVReelStats()
@@ -248,7 +249,7 @@ class RetrievalRuntime:
         if self.cfg.retrieval_decode_candidates:
             dre_down = self._ask_dre(req_id, layer)
             blocks = choose_blocks(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
-                                   self.cfg.retrieval_decode_candidates)
+                                   self.cfg.retrieval_decode_candidates, self._temporaries)
             self._count_choice(hist, dre_down, blocks.shape[1])
             ws.hold_blocks(lh, blocks)
         else:
@@ -263,7 +264,7 @@ class RetrievalRuntime:
         dre_down = self._ask_dre(req_id, layer)
         chosen = choose_tokens_in_groups(hist.layers[layer], queries, group_rows, self.cfg.retrieval_alpha,
                                          self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
-                                         self.cfg.retrieval_narrowing)
+                                         self.cfg.retrieval_narrowing, self._temporaries)
         for tokens in chosen:
             self._count_choice(hist, dre_down, tokens.shape[1] // self.block_size)
         return chosen

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory, block_tokens, rows_of, scoring_dtype
+from kvreel.connector.retrieval.history import LayerHistory, Scratch, block_tokens, rows_of, scoring_dtype
 
 ROWS_AT_ONCE = 32            # query rows scored together
 
@@ -27,12 +27,13 @@ def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count
 
 
 def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count: int, unit: int,
-                     group_rows: int) -> list[torch.Tensor]:
+                     group_rows: int, scratch: Scratch | None = None) -> list[torch.Tensor]:
     """``select_tokens`` for every run of ``group_rows`` query rows (a group of a
     prefill chunk's tokens), each with its own rows only: per group, indices
     ``[H, m_g]``. Rows are scored about ``ROWS_AT_ONCE`` at a time (so the scores
     stay in the CPU's cache): small groups several to a pass, each cut by WiCSum
-    from the shares its pass holds; a larger group over several passes."""
+    from the shares its pass holds (scored in ``scratch`` where given: a chunk
+    takes dozens of passes); a larger group over several passes."""
     H, R, _ = queries.shape
     k = min(count, keys.shape[1])
     if k <= 0:
@@ -43,7 +44,7 @@ def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, co
     per_pass = ROWS_AT_ONCE // group_rows * group_rows
     chosen = []
     for a in range(0, R, per_pass):
-        share = torch.log_softmax(_scores(keys, q[:, a:a + per_pass]).float(), -1)       # [H, rows, n], fused
+        share = _log_shares(keys, q[:, a:a + per_pass], scratch)                          # [H, rows, n]
         for g in range(0, share.shape[1], group_rows):
             rows = share[:, g:g + group_rows]
             top = _top(rows.amax(1), k)                                                  # [H, k], best first
@@ -52,6 +53,18 @@ def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, co
                 top = top[:, :_whole_pages(need, k, unit)]
             chosen.append(top)
     return chosen
+
+
+def _log_shares(keys: torch.Tensor, q: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+    """Each row's log softmax over the keys ``[H, r, n]`` (float32), made in
+    ``scratch`` where given (in place: the same values as fresh tensors)."""
+    if scratch is None:
+        return torch.log_softmax(_scores(keys, q).float(), -1)
+    shape = (q.shape[0], q.shape[1], keys.shape[1])
+    logits = _scores(keys, q, scratch.take("logits", math.prod(shape), q.dtype).view(shape))
+    if logits.dtype != torch.float32:
+        logits = scratch.take("shares", logits.numel(), torch.float32).view(shape).copy_(logits)
+    return torch.log_softmax(logits, -1, out=logits)
 
 
 def _select_over_passes(q: torch.Tensor, keys: torch.Tensor, alpha: float, k: int, unit: int) -> torch.Tensor:
@@ -89,15 +102,21 @@ def _tokens_for_alpha(taken: torch.Tensor, alpha: float) -> int:
 SCORE_BLOCK = 4096           # keys converted at a time: small blocks reuse the allocator's memory
 
 
-def _scores(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``q . k`` ``[H, r, n]`` for keys ``[H, n, D]`` and rows ``[H, r, D]``, one
-    batched product, rows by keys (each row's scores contiguous for the softmax).
-    Keys of another dtype than ``q``'s are converted a block at a time: one copy
-    of every key at once is a fresh allocation each step, and its page faults
-    cost more than the product (64 K keys: 27 ms against 9 ms)."""
+def _scores(keys: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q . k`` ``[H, r, n]`` for keys ``[H, n, D]`` and rows ``[H, r, D]`` (into
+    ``out`` where given), rows by keys (each row's scores contiguous for the
+    softmax), a product per head: keys are often a slice of the history's
+    (heads a capacity apart), which a batched bf16 product first copies whole
+    (8 K keys: 0.72 ms against 0.16 ms on an AVX512-BF16 core). Keys of another
+    dtype than ``q``'s are converted a block at a time: one copy of every key at
+    once is a fresh allocation each step, and its page faults cost more than
+    the product (64 K keys: 27 ms against 9 ms)."""
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], keys.shape[1], dtype=q.dtype, device=q.device)
     if keys.dtype == q.dtype:
-        return torch.bmm(q, keys.transpose(1, 2))
-    out = torch.empty(q.shape[0], q.shape[1], keys.shape[1], dtype=q.dtype, device=q.device)
+        for h in range(q.shape[0]):
+            torch.mm(q[h], keys[h].transpose(0, 1), out=out[h])
+        return out
     for a in range(0, keys.shape[1], SCORE_BLOCK):
         torch.bmm(q, keys[:, a:a + SCORE_BLOCK].to(q.dtype).transpose(1, 2), out=out[:, :, a:a + SCORE_BLOCK])
     return out
@@ -137,9 +156,11 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
 
 
 def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows: int, alpha: float, count: int,
-                            candidates: int, narrowing: str = "clusters") -> list[torch.Tensor]:
+                            candidates: int, narrowing: str = "clusters",
+                            scratch: Scratch | None = None) -> list[torch.Tensor]:
     """``choose_tokens`` for every run of ``group_rows`` query rows, each group
-    selecting with its own rows only (``select_in_groups``).
+    selecting with its own rows only (``select_in_groups``, its passes scored
+    in ``scratch`` where given).
     Narrowing ranks by the largest share any row of the chunk gives (so a row
     looking for a needle brings its cluster or block in, whatever the others want)."""
     bs = lh.block_size
@@ -151,15 +172,17 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
         else:
             scored = lh.candidates(queries, candidates * count)
             keys = rows_of(lh.keys, scored)
-        chosen = [scored.gather(1, c) for c in select_in_groups(queries, keys, alpha, count, bs, group_rows)]
+        chosen = [scored.gather(1, c) for c in select_in_groups(queries, keys, alpha, count, bs, group_rows,
+                                                                scratch)]
     else:
         chosen = [c + bs for c in select_in_groups(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs,
-                                                   group_rows)]
+                                                   group_rows, scratch)]
     sink = torch.arange(bs).expand(lh.heads, -1)
     return [torch.cat([sink, c], 1) for c in chosen]
 
 
-def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int) -> torch.Tensor:
+def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int,
+                  scratch: Scratch | None = None) -> torch.Tensor:
     """The history blocks a decoding step's few query rows ``[H, R, D]`` attend to
     ``[H, 1 + m]``: the sink block, then at most ``count`` tokens' worth of whole
     blocks, best first. The blocks the rows rank best by their keys' bounds
@@ -169,7 +192,8 @@ def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     that order until every row holds ``alpha`` of its mass (WiCSum) or ``count``.
     Whole blocks are what makes a decoding step cheap: the history keeps them as
     vLLM packed them, so holding them is a page copy, and ranking a few dozen
-    blocks replaces sorting thousands of tokens."""
+    blocks replaces sorting thousands of tokens. The scored keys are copied into
+    ``scratch`` where given (``LayerHistory.block_keys``)."""
     bs, H = lh.block_size, lh.heads
     held = lh.num_tokens // bs
     if narrows(candidates, count, lh.num_tokens - bs):
@@ -178,7 +202,7 @@ def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
         scored = torch.arange(1, held).expand(H, -1)
     n = scored.shape[1]
     q = queries.to(lh.keys.dtype) * queries.shape[-1] ** -0.5
-    share = torch.softmax(_scores(lh.block_keys(scored), q).float(), -1)                # [H, R, n bs]
+    share = torch.softmax(_scores(lh.block_keys(scored, scratch), q).float(), -1)       # [H, R, n bs]
     mass = share.view(H, q.shape[1], n, bs).sum(-1)                                      # [H, R, n]
     order = mass.amax(1).argsort(dim=1, descending=True)
     keep = min(n, max(1, count // bs))
