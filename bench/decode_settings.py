@@ -130,7 +130,7 @@ def main() -> None:
             got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt),
                                                   "kvreel": kvreel, "decode": decode, "segment": a.segment,
                                                   "blocks": a.blocks, "chunk": a.chunk},
-                                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                                         **({"KVREEL_RETRIEVAL": "resv"} if kvreel else {})}, timeout=3600)
             if "error" in got:
                 raise RuntimeError(f"{label} at {n}: {got['error']}")
