@@ -69,8 +69,10 @@ def block_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
 
 class Scratch:
     """Memory reused by every layer and step for a step's temporaries, by name:
-    a large allocation per call is fresh memory to fault in (on CPU, often more
-    than the work done in it: half of a decoding step's choice at 16 K tokens)."""
+    a large allocation per call can be fresh memory to fault in, wherever the
+    allocator hands it back to the system (glibc past its mmap threshold): there
+    a decoding step's choice at 16 K tokens took twice as long, and a prefill
+    chunk's passes three times."""
 
     def __init__(self):
         self._flat: dict[str, torch.Tensor] = {}
