@@ -20,13 +20,20 @@ P = tokens(600, 1)
 OTHER = tokens(300, 7)
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    """Plain vLLM (no kvreel) on P, then P again from its prefix cache: the
+    reference every test here compares with, computed once for the module."""
+    return run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
+
+
 def _cfg(port):
     # host tier tiny, no disk: after a restart only the remote store holds P
     return {"cpu_bytes": "0", "remote_url": f"redis://:s3cret@127.0.0.1:{port}/0", "remote_timeout_s": 1.0}
 
 
 @pytest.mark.parametrize("store", ["redis", "redis-cluster", "file"])
-def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_path, store):
+def test_prefix_from_another_engine_is_reused_exactly(tiny_model, plain, request, tmp_path, store):
     """On a Redis Cluster a master is then killed: until its replica takes over,
     the chunks it held are recomputed; every output stays exact."""
     phases = [{"prompts": [P]}, {"before": "restart", "prompts": [P, OTHER]}]
@@ -43,81 +50,76 @@ def test_prefix_from_another_engine_is_reused_exactly(tiny_model, request, tmp_p
                    {"before": [promoted, "reset_prefix_cache"], "prompts": [P]}]
     else:       # a shared filesystem
         cfg = {**_cfg(0), "remote_url": f"file://{tmp_path / 'shared'}"}
-    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": phases})
-    assert reel["phases"][0][0] == base["phases"][0][0]
+    assert reel["phases"][0][0] == plain["phases"][0][0]
     again = reel["phases"][1][0]
-    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
-    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert again["token_ids"] == plain["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == plain["phases"][1][0]["logprobs"]
     assert again["num_cached_tokens"] == 576
     for later in reel["phases"][2:]:           # recomputed (a cold prefill) or reused (a prefix hit), exactly
-        assert later[0]["logprobs"] in (base["phases"][0][0]["logprobs"], base["phases"][1][0]["logprobs"])
+        assert later[0]["logprobs"] in (plain["phases"][0][0]["logprobs"], plain["phases"][1][0]["logprobs"])
     if store == "redis-cluster":
         assert reel["phases"][3][0]["num_cached_tokens"] == 576              # the replica serves them again
     hits = reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|remote"]
     assert hits >= 36 if store == "redis-cluster" else hits == 18
 
 
-def test_dead_store_falls_back_to_recompute(tiny_model, redis_server):
+def test_dead_store_falls_back_to_recompute(tiny_model, plain, redis_server):
     proc, port = redis_server
-    cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": _cfg(port), "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]},
         {"before": f"shell:kill -9 {proc.pid}", "prompts": [P]}]})
-    assert reel["phases"][2][0] == cold["phases"][0][0]
+    assert reel["phases"][2][0] == plain["phases"][0][0]
     assert "remote lookup failed" in reel["log"]
 
 
-def test_damaged_remote_chunk_is_recomputed(tiny_model, redis_server):
+def test_damaged_remote_chunk_is_recomputed(tiny_model, plain, redis_server):
     """Only the raw form is stored, so the damaged chunk has no intact form to fall back to."""
     _, port = redis_server
     corrupt = ("shell:" + sys.executable + " -c \"import redis; r=redis.Redis(port=" + str(port) +
                ", password='s3cret')\nfor k in r.scan_iter('kvreel/*/c/*'):\n"
                "    n=r.strlen(k); r.setrange(k, n-100, bytes([r.getrange(k,n-100,n-100)[0]^255]))\"")
-    cold = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": {**_cfg(port), "remote_forms": "raw"}, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]},
         {"before": corrupt, "prompts": [P]}]})
     after = reel["phases"][2][0]
-    assert after["token_ids"] == cold["phases"][0][0]["token_ids"]
-    assert after["logprobs"] == cold["phases"][0][0]["logprobs"]
+    assert after["token_ids"] == plain["phases"][0][0]["token_ids"]
+    assert after["logprobs"] == plain["phases"][0][0]["logprobs"]
     assert reel["metrics"]["vllm:kvreel_corrupt_chunks_total|remote"] >= 1
     assert "payload checksum mismatch" in reel["log"]
 
 
 @pytest.mark.parametrize("form,mode", [("zstd", "async"), ("video@256", "async"), ("raw", "blocking")])
-def test_every_stored_form_restores_exactly(tiny_model, redis_server, form, mode):
+def test_every_stored_form_restores_exactly(tiny_model, plain, redis_server, form, mode):
     """Chunks stored raw + zstd + lossless video; the second engine fetches them in
     one fixed form (KVREEL_FETCH_FORM), parked or inside the forward pass
     (KVREEL_FETCH_MODE), and gets bit-identical outputs."""
     _, port = redis_server
     cfg = {**_cfg(port), "remote_forms": "raw,zstd,video", "remote_resolutions": "256", "fetch_form": form,
            "fetch_mode": mode}
-    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [P]}]})
     again = reel["phases"][1][0]
     assert again["num_cached_tokens"] == 576
-    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
-    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert again["token_ids"] == plain["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == plain["phases"][1][0]["logprobs"]
     fetched = {k: v for k, v in reel["metrics"].items() if k.startswith("vllm:kvreel_remote_fetches_total")}
     assert fetched == {f"vllm:kvreel_remote_fetches_total|{form}": 3}
     assert reel["metrics"][f"vllm:kvreel_remote_transfer_seconds_total|{form}"] > 0
     assert reel["metrics"][f"vllm:kvreel_decode_seconds_total|{form}"] > 0
 
 
-def test_damaged_video_form_falls_back_to_raw_exactly(tiny_model, redis_server):
+def test_damaged_video_form_falls_back_to_raw_exactly(tiny_model, plain, redis_server):
     _, port = redis_server
     cfg = {**_cfg(port), "remote_forms": "raw,video", "remote_resolutions": "256", "fetch_form": "video@256"}
     corrupt = ("shell:" + sys.executable + " -c \"import redis; r=redis.Redis(port=" + str(port) +
                ", password='s3cret')\nfor k in r.scan_iter('kvreel/*/video256/*'):\n"
                "    n=r.strlen(k); r.setrange(k, n-50, bytes([r.getrange(k,n-50,n-50)[0]^255]))\"")
-    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [
         {"prompts": [P]}, {"before": "restart", "prompts": [OTHER]}, {"before": corrupt, "prompts": [P]}]})
     again = reel["phases"][2][0]
     assert again["num_cached_tokens"] == 576
-    assert again["token_ids"] == base["phases"][1][0]["token_ids"]
-    assert again["logprobs"] == base["phases"][1][0]["logprobs"]
+    assert again["token_ids"] == plain["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == plain["phases"][1][0]["logprobs"]
     assert reel["metrics"]["vllm:kvreel_remote_fetches_total|raw"] == 3
     assert "video@256 form of remote chunk" in reel["log"]
