@@ -72,7 +72,8 @@ class Scratch:
     a large allocation per call can be fresh memory to fault in, wherever the
     allocator hands it back to the system (glibc past its mmap threshold): there
     a decoding step's choice at 16 K tokens took twice as long, and a prefill
-    chunk's passes three times."""
+    chunk's passes three times. A region grows to exactly what is asked (so a
+    caller's bound on what it asks bounds the memory)."""
 
     def __init__(self):
         self._flat: dict[str, torch.Tensor] = {}
@@ -82,8 +83,7 @@ class Scratch:
         was last given."""
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype:
-            grown = 2 * flat.numel() if flat is not None and flat.dtype == dtype else 0
-            flat = self._flat[name] = torch.empty(max(numel, grown), dtype=dtype)
+            flat = self._flat[name] = torch.empty(numel, dtype=dtype)
         return flat[:numel]
 
 

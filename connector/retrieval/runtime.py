@@ -52,6 +52,7 @@ Threads: histories and working sets belong to the thread that runs the model
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -94,8 +95,7 @@ class RetrievalRuntime:
         self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
         self.caches: dict[int, torch.Tensor] = {}  # layer -> the engine's cache [blocks, H, 2 bs, D]
         self.packing: PagePacking | None = None
-        self._scratch = torch.empty(0)
-        self._temporaries = Scratch()                  # a step's choice: scored keys, scoring passes
+        self._temporaries = Scratch()     # a step's temporaries: scored keys, scoring passes, grouped pages
         self.resident_pages = 0
         self.max_batched_tokens = 0
         self.stats = KVReelStats()
@@ -289,7 +289,6 @@ class RetrievalRuntime:
     def scratch(self, pages: int) -> torch.Tensor:
         """``pages`` cache pages ``[pages, H, 2 bs, D]`` for one kernel call's working
         sets (a prefill chunk's groups), reused by every layer and step: kept, not
-        allocated per call (a large allocation is fresh memory to fault in)."""
-        if self._scratch.shape[0] < pages:
-            self._scratch = torch.empty(pages, self.heads, 2 * self.block_size, self.head_dim, dtype=self.dtype)
-        return self._scratch[:pages]
+        allocated per call (``Scratch``)."""
+        shape = (pages, self.heads, 2 * self.block_size, self.head_dim)
+        return self._temporaries.take("pages", math.prod(shape), self.dtype).view(shape)
