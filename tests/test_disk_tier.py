@@ -45,6 +45,20 @@ def test_round_trip_is_byte_exact(tmp_path):
     assert key == b"\x01" * 32 and found == path and scanned.shape == (2, 3, 4096)
 
 
+def test_the_writer_thread_runs_below_the_engines_priority(tmp_path):
+    """Writes behind yield the CPU to the engine's steps (a thread's own nice value)."""
+    from kvreel.connector.tiers import WRITER_NICE
+    tier = DiskTier(tmp_path, ID, 0, queue_size=4)
+    try:
+        assert tier.put(b"\x02" * 32, [b"\x00" * 32] * 3, payload())
+        tier.flush()
+        [writer] = [t for t in threading.enumerate() if t is tier._thread]
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, mine + WRITER_NICE)
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda p: open(p, "r+b").truncate(os.path.getsize(p) - 1), "payload is"),
     (lambda p: open(p, "r+b").truncate(20), "truncated header"),

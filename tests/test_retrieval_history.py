@@ -248,15 +248,14 @@ def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
     lh.append(pages[:7], 0)
     lh.append(pages[7:], 7)
     keys = k.transpose(0, 1).float()                                       # [H, T, D]
-    assert torch.equal(lh.page_max[:, :40], keys.view(H, 40, BS, D).amax(2))
-    assert torch.equal(lh.page_min[:, :40], keys.view(H, 40, BS, D).amin(2))
+    assert torch.equal(lh.bounds[:, :40, :D], keys.view(H, 40, BS, D).amax(2))
+    assert torch.equal(lh.bounds[:, :40, D:], keys.view(H, 40, BS, D).amin(2))
     g = torch.Generator().manual_seed(4)
     queries = torch.randn(H, 24, D, generator=g)
     queries[:, :23] = keys[:, common:common + 1] * 3                       # 23 rows want a token of block 3
     queries[:, 23] = keys[:, needle] * 3                                   # one row wants the needle
     q = queries * D ** -0.5
-    bound = torch.bmm(q.clamp_min(0), lh.page_max[:, :40].transpose(1, 2)) + \
-        torch.bmm(q.clamp_max(0), lh.page_min[:, :40].transpose(1, 2))
+    bound = torch.bmm(torch.cat([q.clamp_min(0), q.clamp_max(0)], -1), lh.bounds[:, :40].transpose(1, 2))
     scores = torch.bmm(q, keys.transpose(1, 2)).view(H, 24, 40, BS).amax(-1)
     assert bool((bound >= scores - 1e-4).all())
     blocks = lh.best_blocks(queries, 2)

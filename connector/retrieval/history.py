@@ -129,8 +129,7 @@ class LayerHistory:
         self.counts = torch.zeros(heads, 0)                           # and size
         self._index: ClusterIndex | None = None
         self._labelled_since = 0                                      # tokens labelled since it was built
-        self.page_max = torch.empty(heads, 0, head_dim)               # per block: channel-wise key max (float32)
-        self.page_min = torch.empty(heads, 0, head_dim)               # and min
+        self.bounds = torch.empty(heads, 0, 2 * head_dim)   # per block: channel-wise key max, then min (float32)
 
     @property
     def nbytes(self) -> int:
@@ -148,8 +147,7 @@ class LayerHistory:
         blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
         self.pages[first:last] = pages
-        self.page_max[:, first:last] = blocks.amax(1).transpose(0, 1)
-        self.page_min[:, first:last] = blocks.amin(1).transpose(0, 1)
+        self.bounds[:, first:last] = torch.cat([blocks.amax(1), blocks.amin(1)], -1).transpose(0, 1)
         self.num_tokens += n
         self.labels = torch.cat([self.labels, torch.full((self.heads, n), -1, dtype=torch.int64)], 1)
         if first_block == 0:
@@ -163,10 +161,9 @@ class LayerHistory:
             return
         new_cap = max(tokens, 2 * cap, 16 * self.block_size)
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
-        for name, size, used in (("keys", new_cap, self.num_tokens), ("page_max", blocks, used_blocks),
-                                 ("page_min", blocks, used_blocks)):
+        for name, size, used in (("keys", new_cap, self.num_tokens), ("bounds", blocks, used_blocks)):
             old = getattr(self, name)
-            grown = torch.empty(self.heads, size, self.head_dim, dtype=old.dtype)
+            grown = torch.empty(self.heads, size, old.shape[2], dtype=old.dtype)
             grown[:, :used] = old[:, :used]
             setattr(self, name, grown)
         grown = torch.empty(blocks, *self.pages.shape[1:], dtype=self.pages.dtype)
@@ -235,15 +232,15 @@ class LayerHistory:
         """Per head, the ``count`` blocks after the sink block ``[H, count]`` that the
         query rows ``[H, R, D]`` rank best (fewer where the history has fewer). A
         block's bound for a row is the most ``q . k`` any key inside its channel-wise
-        bounds can reach (``q+ . max + q- . min``, Quest), so the block holding a
-        row's best token ranks at least as high as that token scores; rows count by
-        their softmax share over the blocks (so one row's larger query norm does not
-        outvote the others) and a block by the most any row gives it, as
-        ``select_tokens`` ranks tokens."""
+        bounds can reach (``q+ . max + q- . min``, Quest: one product of ``[q+, q-]``
+        with the bounds side by side), so the block holding a row's best token ranks
+        at least as high as that token scores; rows count by their softmax share over
+        the blocks (so one row's larger query norm does not outvote the others) and a
+        block by the most any row gives it, as ``select_tokens`` ranks tokens."""
         q = queries.float() * self.head_dim ** -0.5
         held = self.num_tokens // self.block_size
-        hi, lo = self.page_max[:, 1:held], self.page_min[:, 1:held]
-        bound = torch.bmm(q.clamp_min(0), hi.transpose(1, 2)) + torch.bmm(q.clamp_max(0), lo.transpose(1, 2))
+        signed = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1)                      # [H, R, 2 D]
+        bound = torch.bmm(signed, self.bounds[:, 1:held].transpose(1, 2))
         rank = torch.softmax(bound, dim=-1).amax(1)                                    # [H, blocks - 1]
         return torch.topk(rank, min(rank.shape[1], count), dim=1, sorted=False).indices + 1
 

@@ -20,7 +20,7 @@ import torch
 from kvreel.codec.formats import (ChunkError, ChunkFileHeader, ChunkUnavailable, chunk_dir, chunk_path,
                                   encode_chunk_file, identity_description_path, key_of_path, read_chunk,
                                   read_chunk_header)
-from kvreel.connector.tiers import ChunkTier, Tier, TierChanges, wait_for_queues
+from kvreel.connector.tiers import ChunkTier, Tier, TierChanges, wait_for_queues, yield_to_the_engine
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class DiskTier(ChunkTier):
             self.enabled, self._came_back = True, True
 
     def _run(self) -> None:
+        yield_to_the_engine()
         while True:
             try:
                 op, key, hashes, payload = self._queue.get(timeout=None if self.enabled else self._probe_in)

@@ -28,7 +28,7 @@ import torch
 
 from kvreel.codec.formats import RAW, VIDEO_FORM, ChunkUnavailable, StoreKeys, form_kind
 from kvreel.codec.forms import StoredForms
-from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues
+from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues, yield_to_the_engine
 from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
 
 logger = logging.getLogger(__name__)
@@ -184,6 +184,7 @@ class RemoteTier(ChunkTier):
         self._log.warn(msg, *args)
 
     def _run(self, jobs: queue.Queue, upload) -> None:
+        yield_to_the_engine()
         while True:
             item = jobs.get()
             try:
