@@ -187,7 +187,7 @@ SETTINGS: tuple[Setting, ...] = (
             lambda v: 0 < v <= 1),
     _int_setting("RETRIEVAL_MIN_TOKENS", 2048, "Requests with fewer computed tokens keep all their KV in vLLM "
                  "and attend fully; so does every position below this, for every request.", 0, 1 << 30),
-    _int_setting("RETRIEVAL_WINDOW", 256, "Local window: a long request's newest tokens (beyond the step's own), "
+    _int_setting("RETRIEVAL_WINDOW", 512, "Local window: a long request's newest tokens (beyond the step's own), "
                  "kept in vLLM's cache and always attended to, as is the first block (attention sinks).",
                  0, 1 << 30),
     Setting("RETRIEVAL_BUDGET_SHARE", float, 0.125, "a number in (0, 1]",
