@@ -93,9 +93,9 @@ def yield_to_the_engine() -> None:
     """Lower the calling thread's CPU priority by ``WRITER_NICE`` (on Linux a
     thread has its own nice value): a tier's writes behind (checksums, file and
     network writes, video encoding) then take a core only when the engine's
-    steps and the API server leave it idle. On a 2-core host, writing every
-    computed chunk to disk at full priority raised a request's p99 TTFT by
-    about 14 % (``bench/results/no_reuse.json``)."""
+    steps and the API server leave it idle. On a 2-core host, with every
+    computed chunk written to disk, a request that reuses nothing saw p99 TTFT
+    1.14x plain vLLM's at full priority and 1.10x below it (bench/README.md)."""
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
