@@ -8,11 +8,13 @@ this 2-core machine (``long_session.py``: each engine prefills anew, and its
 runs differ by 20 %). Here one engine per length prefills the session once and
 then decodes it in segments of ``--segment`` tokens, switching the decoding
 setting between segments (round-robin, ``--rounds`` times): every setting
-decodes the same history on the same engine, alternately. Settings:
-``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` = 2 (the default: a step scores the tokens
-of the blocks its queries rank best by their key bounds and keeps whole blocks,
-page copies) and 0 (tokens chosen as a prefill group chooses them, every
-history token scored below about 65 K tokens, written through vLLM's packing). Full attention is plain
+decodes the same history on the same engine, alternately. Settings: the most
+history tokens a step reads (``KVREEL_RETRIEVAL_BUDGET_TOKENS`` 1 024, 2 048,
+4 096; the share stays 1/8) with ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` = 2 (the
+default: a step scores the tokens of the blocks its queries rank best by their
+key bounds and keeps whole blocks, page copies), and
+``DECODE_CANDIDATES`` = 0 at the default budget (tokens chosen as a prefill
+group chooses them, written through vLLM's packing). Full attention is plain
 vLLM (a cache that holds the session) decoding the same prompt as many tokens
 in as many segments. Per segment: TPOT (mean gap between tokens), and for
 kvreel the time per step in the working sets (``RetrievalRuntime.working_set``,
@@ -39,7 +41,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, engine_in_subprocess, engine_or_main, plot_lines, python_source_corpus,  # noqa: E402
                     report, save)
 
-SETTINGS = {"defaults (DECODE_CANDIDATES=2)": 2, "DECODE_CANDIDATES=0": 0}
+# name -> the retrieval settings a segment decodes under (the rest: the defaults)
+SETTINGS = {
+    "budget <= 1 024 tokens": {"retrieval_budget_tokens": 1024},
+    "budget <= 2 048 tokens": {"retrieval_budget_tokens": 2048},
+    "budget <= 4 096 tokens": {"retrieval_budget_tokens": 4096},
+    "DECODE_CANDIDATES=0": {"retrieval_decode_candidates": 0},
+}
 
 
 def _timed(cls, name: str, spent: dict, key: str) -> None:
@@ -81,14 +89,15 @@ def engine_main(args: dict) -> None:
     names = list(SETTINGS) if kvreel else ["full attention"]
     segments: list[dict] = []
     times: list[float] = []
-    current = None
+    current = base = None
     while engine.has_unfinished_requests():
         if times and (len(times) - 1) % args["segment"] == 0 and len(times) - 1 < args["decode"] \
                 and (current is None or current["tokens"] > 0):
             name = names[len(segments) % len(names)]
             if kvreel:
                 rt = RetrievalRuntime._instance
-                rt.cfg = dataclasses.replace(rt.cfg, retrieval_decode_candidates=SETTINGS[name])
+                base = base or rt.cfg
+                rt.cfg = dataclasses.replace(base, **SETTINGS[name])
             spent.clear()
             current = {"setting": name, "start": times[-1], "tokens": 0}
             segments.append(current)
@@ -117,6 +126,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     a = ap.parse_args()
     from transformers import AutoTokenizer
+    from kvreel.connector.config import KVReelConfig
     tok = AutoTokenizer.from_pretrained(a.model)
     lengths = [int(x) for x in a.lengths.split(",")]
     corpus = tok(python_source_corpus(8 * max(lengths)))["input_ids"]
@@ -150,6 +160,8 @@ def main() -> None:
                           for k, v in row.items()}), flush=True)
     settings = {"lengths": a.lengths, "segment": a.segment, "rounds": a.rounds, "blocks": a.blocks, "chunk": a.chunk,
                 "block_size": 32, "decoded_per_engine": decode, "retrieval": "resv, defaults but the switched setting",
+                "default_budget_tokens": KVReelConfig.load({}).retrieval_budget_tokens,
+                "switched": SETTINGS,
                 "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
     name = "decode_settings"
     path = save(name, {"model": Path(a.model).name, "settings": settings, "rows": rows})
