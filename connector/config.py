@@ -217,9 +217,11 @@ SETTINGS: tuple[Setting, ...] = (
                  "own queries select, so a question inside a chunk finds its needle. Smaller: closer to per-token "
                  "selection; larger: a faster prefill (every group's working set is copied out for the kernel).",
                  1, 1 << 20),
-    _int_setting("RETRIEVAL_BUDGET_TOKENS", 4096, "Working set per long request and layer: the most history "
-                 "tokens (sink block included) attended to in one step, whatever the share; held in kvreel's "
-                 "buffer beside vLLM's cache (engine KV memory = paged cache + working sets).", 32, 1 << 24),
+    _int_setting("RETRIEVAL_BUDGET_TOKENS", 1024, "Working set per long request and layer: the most history "
+                 "tokens (sink block included) attended to in one step, whatever the share (1/8 of an 8 K "
+                 "history fits; longer ones read a smaller share, so a decoding step's cost grows little with "
+                 "the history); held in kvreel's buffer beside vLLM's cache (engine KV memory = paged cache + "
+                 "working sets).", 32, 1 << 24),
     Setting("DRE_ADDRESS", _path_or_none, None, "a Unix-socket path or host:port (unset: the worker starts its own "
             "DRE on a private Unix socket)", "Where the DRE service listens (`kvreel dre --address ...`)."),
     Setting("DRE_SECRET_HEX", _hex_secret, None, "an even number of hex digits, at least 32",
