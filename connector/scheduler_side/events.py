@@ -8,14 +8,20 @@ tier stays routable to this engine.
 
 Tiers are named in vLLM's offloading vocabulary (``vllm.v1.kv_offload``): host
 memory is medium CPU, locality LOCAL; disk STORAGE, LOCAL; the remote store
-STORAGE, REMOTE. The hashes are the chunk's vLLM block hashes, the keys a lookup
-serves from, and an event is recorded exactly when the scheduler's index (what
-lookups read) changes, so an announced block is one a request can load.
+STORAGE, REMOTE, with ``ownership`` naming it (``REMOTE_OWNERSHIP``: vLLM's field
+for a secondary offloading tier's identifier, as its KVCR tier sets it;
+``vllm-router`` indexes such blocks in its external tier, and rejects a step's
+whole batch over a REMOTE event that names no owner). The hashes are
+the chunk's vLLM block hashes, the keys a lookup serves from, and an event is
+recorded exactly when the scheduler's index (what lookups read) changes, so an
+announced block is one a request can load.
 
 Limits: chunks found on disk at start-up, or fetched from the remote store by
 a workflow prefetch, carry no token ids or parent (their stored forms hold
-hashes, not tokens); a chunk in the remote store is announced by the engine
-that uploaded it, and its eviction by the store itself is not seen."""
+hashes, not tokens), so they are not announced: routers index blocks by their
+tokens, and ``vllm-router`` drops a step's whole batch when one stored event
+lacks them. A chunk in the remote store is announced by the engine that
+uploaded it, and its eviction by the store itself is not seen."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from kvreel.connector.tiers import Tier
 from kvreel.connector.vllm_internals import event_block_hash
 
 MEDIUM = {Tier.HOST: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"), Tier.REMOTE: ("STORAGE", "REMOTE")}
+REMOTE_OWNERSHIP = "kvreel-remote"
 
 
 class TierEvents:
@@ -35,18 +42,25 @@ class TierEvents:
         self._events: list[KVCacheEvent] = []
 
     def stored(self, chunk, tier: Tier) -> None:
+        """``chunk`` is in ``tier`` now; not announced without its tokens (module docstring)."""
+        if not chunk.token_ids:
+            return
         medium, locality = MEDIUM[tier]
         self._events.append(BlockStored(
             block_hashes=[event_block_hash(h) for h in chunk.block_hashes],
             parent_block_hash=event_block_hash(chunk.parent) if chunk.parent is not None else None,
-            token_ids=list(chunk.token_ids or ()), block_size=self.block_size, lora_id=None,
-            medium=medium, lora_name=None, locality=locality))
+            token_ids=list(chunk.token_ids), block_size=self.block_size, lora_id=None,
+            medium=medium, lora_name=None, locality=locality, ownership=_ownership(tier)))
 
     def removed(self, block_hashes: list[bytes], tier: Tier) -> None:
         medium, locality = MEDIUM[tier]
         self._events.append(BlockRemoved(block_hashes=[event_block_hash(h) for h in block_hashes],
-                                         medium=medium, locality=locality))
+                                         medium=medium, locality=locality, ownership=_ownership(tier)))
 
     def take(self) -> list[KVCacheEvent]:
         taken, self._events = self._events, []
         return taken
+
+
+def _ownership(tier: Tier) -> str | None:
+    return REMOTE_OWNERSHIP if tier == Tier.REMOTE else None
