@@ -13,8 +13,8 @@ history tokens a step reads (``KVREEL_RETRIEVAL_BUDGET_TOKENS`` 1 024, 2 048,
 4 096; the share stays 1/8) with ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` = 2 (the
 default: a step scores the tokens of the blocks its queries rank best by their
 key bounds and keeps whole blocks, page copies), and
-``DECODE_CANDIDATES`` = 0 at the default budget (tokens chosen as a prefill
-group chooses them, written through vLLM's packing). Full attention is plain
+``DECODE_CANDIDATES`` = 0 at 4 096 (tokens chosen as a prefill group chooses
+them, written through vLLM's packing). Full attention is plain
 vLLM (a cache that holds the session) decoding the same prompt as many tokens
 in as many segments. Per segment: TPOT (mean gap between tokens), and for
 kvreel the time per step in the working sets (``RetrievalRuntime.working_set``,
@@ -46,8 +46,10 @@ SETTINGS = {
     "budget <= 1 024 tokens": {"retrieval_budget_tokens": 1024},
     "budget <= 2 048 tokens": {"retrieval_budget_tokens": 2048},
     "budget <= 4 096 tokens": {"retrieval_budget_tokens": 4096},
-    "DECODE_CANDIDATES=0": {"retrieval_decode_candidates": 0},
+    "DECODE_CANDIDATES=0": {"retrieval_decode_candidates": 0, "retrieval_budget_tokens": 4096},
 }
+# the engine starts with the largest budget: its working-set slots are sized by it at start-up
+LARGEST_BUDGET = max(s.get("retrieval_budget_tokens", 0) for s in SETTINGS.values())
 
 
 def _timed(cls, name: str, spent: dict, key: str) -> None:
@@ -141,7 +143,8 @@ def main() -> None:
                                                   "kvreel": kvreel, "decode": decode, "segment": a.segment,
                                                   "blocks": a.blocks, "chunk": a.chunk},
                                        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                        **({"KVREEL_RETRIEVAL": "resv"} if kvreel else {})}, timeout=3600)
+                                        **({"KVREEL_RETRIEVAL": "resv",
+                                            "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(LARGEST_BUDGET)} if kvreel else {})}, timeout=3600)
             if "error" in got:
                 raise RuntimeError(f"{label} at {n}: {got['error']}")
             by = collections.defaultdict(list)
@@ -161,6 +164,7 @@ def main() -> None:
     settings = {"lengths": a.lengths, "segment": a.segment, "rounds": a.rounds, "blocks": a.blocks, "chunk": a.chunk,
                 "block_size": 32, "decoded_per_engine": decode, "retrieval": "resv, defaults but the switched setting",
                 "default_budget_tokens": KVReelConfig.load({}).retrieval_budget_tokens,
+                "engine_budget_tokens": LARGEST_BUDGET,
                 "switched": SETTINGS,
                 "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
     name = "decode_settings"
