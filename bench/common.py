@@ -244,7 +244,7 @@ def machine() -> dict:
             "bf16_products": scoring_dtype(torch.bfloat16) == torch.bfloat16,
             "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "vllm_engine_env": {k: engine_env()[k] for k in EQUAL_CPU_SPLIT}}
+            "vllm_engine_env": {k: v for k, v in engine_env().items() if k.startswith("VLLM_CPU_")}}
     return {**info, **package_versions()}
 
 
