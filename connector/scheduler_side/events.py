@@ -12,17 +12,18 @@ STORAGE, REMOTE, with ``ownership`` naming it (``REMOTE_OWNERSHIP``: vLLM's fiel
 for a secondary offloading tier's identifier, as its KVCR tier sets it;
 ``vllm-router`` indexes such blocks in its external tier, credited to the
 publishing engine, and where it checks batches rejects a step's whole batch
-over a REMOTE event that names no owner). The hashes are
-the chunk's vLLM block hashes, the keys a lookup serves from, and an event is
-recorded exactly when the scheduler's index (what lookups read) changes, so an
-announced block is one a request can load.
+over a REMOTE event that names no owner). The hashes are the chunk's vLLM
+block hashes, the keys a lookup serves from, and an event is recorded exactly
+when the scheduler's index (what lookups read) changes, so an announced block
+is one a request can load.
 
 Limits: chunks found on disk at start-up, or fetched from the remote store by
 a workflow prefetch, carry no token ids or parent (their stored forms hold
 hashes, not tokens), so they are not announced: routers index blocks by their
 tokens, and ``vllm-router`` (where it checks batches) drops a step's whole
-batch when one stored event lacks them. A chunk in the remote store is announced by the engine that
-uploaded it, and its eviction by the store itself is not seen."""
+batch when one stored event lacks them. A chunk in the remote store is
+announced by the engine that uploaded it, and its eviction by the store itself
+is not seen."""
 
 from __future__ import annotations
 
