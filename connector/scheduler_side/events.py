@@ -32,8 +32,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvreel.connector.tiers import Tier
 from kvreel.connector.vllm_internals import event_block_hash
 
-MEDIUM = {Tier.HOST: ("CPU", "LOCAL"), Tier.DISK: ("STORAGE", "LOCAL"), Tier.REMOTE: ("STORAGE", "REMOTE")}
 REMOTE_OWNERSHIP = "kvreel-remote"
+# tier -> the event's (medium, locality, ownership)
+RESIDENCY = {Tier.HOST: ("CPU", "LOCAL", None), Tier.DISK: ("STORAGE", "LOCAL", None),
+             Tier.REMOTE: ("STORAGE", "REMOTE", REMOTE_OWNERSHIP)}
 
 
 class TierEvents:
@@ -47,22 +49,18 @@ class TierEvents:
         """``chunk`` is in ``tier`` now; not announced without its tokens (module docstring)."""
         if not chunk.token_ids:
             return
-        medium, locality = MEDIUM[tier]
+        medium, locality, ownership = RESIDENCY[tier]
         self._events.append(BlockStored(
             block_hashes=[event_block_hash(h) for h in chunk.block_hashes],
             parent_block_hash=event_block_hash(chunk.parent) if chunk.parent is not None else None,
             token_ids=list(chunk.token_ids), block_size=self.block_size, lora_id=None,
-            medium=medium, lora_name=None, locality=locality, ownership=_ownership(tier)))
+            medium=medium, lora_name=None, locality=locality, ownership=ownership))
 
     def removed(self, block_hashes: list[bytes], tier: Tier) -> None:
-        medium, locality = MEDIUM[tier]
+        medium, locality, ownership = RESIDENCY[tier]
         self._events.append(BlockRemoved(block_hashes=[event_block_hash(h) for h in block_hashes],
-                                         medium=medium, locality=locality, ownership=_ownership(tier)))
+                                         medium=medium, locality=locality, ownership=ownership))
 
     def take(self) -> list[KVCacheEvent]:
         taken, self._events = self._events, []
         return taken
-
-
-def _ownership(tier: Tier) -> str | None:
-    return REMOTE_OWNERSHIP if tier == Tier.REMOTE else None
