@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (cluster_master, engine_env, free_port, save, scratch, start_redis_cluster,  # noqa: E402
                     stop_all, zmq_relay)
-from peers import (add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
+from peers import (add_dtype_arg, add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
@@ -163,6 +163,7 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=128, help="each engine's paged cache, in 32-token blocks")
     ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"), help="kvreel's host tier, each")
     add_workload_args(ap, 96)
+    add_dtype_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--name", default="fleet")
     a = ap.parse_args()

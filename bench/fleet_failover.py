@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import python_source_corpus, read_counters, save, scratch, start_openai_server  # noqa: E402
 from fleet import Fleet  # noqa: E402
+from peers import add_dtype_arg  # noqa: E402
 from soak import greedy_gaps  # noqa: E402
 
 from kvreel.connector.cli import stop_server  # noqa: E402
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=128)
     ap.add_argument("--host-bytes", default="8MiB", help="kvreel's host tier, each: small, so the cluster serves")
     ap.add_argument("--max-model-len", type=int, default=3072)
+    add_dtype_arg(ap)
     ap.add_argument("--tolerance", type=float, default=0.25)
     ap.add_argument("--name", default="fleet_failover")
     a = ap.parse_args()
@@ -103,7 +105,8 @@ def main() -> None:
             fleet.stop()
         ok = [r for r in results if r["ok"]]
         ref, ref_base = start_openai_server(a.model, ["--block-size", "32", "--enforce-eager", "--max-model-len",
-                                                      str(a.max_model_len), "--gpu-memory-utilization", "0.05"],
+                                                      str(a.max_model_len), "--gpu-memory-utilization", "0.05",
+                                                      "--dtype", a.dtype],
                                             {"VLLM_CPU_KVCACHE_SPACE": "1"}, work / "reference.log")
         try:
             distinct = sorted({(r["i"] % len(prompts), tuple(r["answer"])) for r in ok})

@@ -216,10 +216,14 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
     return out
 
 
-def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
-    """The two workloads' settings and the served dtype (shared with bench/fleet.py)."""
+def add_dtype_arg(ap: argparse.ArgumentParser) -> None:
+    """The served dtype of every benchmarked engine (shared with the fleet benchmarks)."""
     ap.add_argument("--dtype", default="auto", help="the served dtype (vLLM's --dtype): the model's own by default; "
                     "float32 where the CPU lacks fast bf16 products (AVX2 only: ~10x slower engines in bf16)")
+
+
+def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The two workloads' settings (shared with bench/fleet.py)."""
     ap.add_argument("--prefixes", type=int, default=16)
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -300,6 +304,7 @@ def main() -> None:
     ap.add_argument("--host-bytes", type=parse_bytes, default=parse_bytes("512MiB"),
                     help="LMCache L1 = kvreel host tier")
     add_workload_args(ap, 128)
+    add_dtype_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=3072, help="below the paged cache (vLLM refuses otherwise)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight (vllm bench serve's max)")
     ap.add_argument("--name", default="peers")
