@@ -219,7 +219,7 @@ def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dic
 def add_dtype_arg(ap: argparse.ArgumentParser) -> None:
     """The served dtype of every benchmarked engine (shared with the fleet benchmarks)."""
     ap.add_argument("--dtype", default="auto", help="the served dtype (vLLM's --dtype): the model's own by default; "
-                    "float32 where the CPU lacks fast bf16 products (AVX2 only: ~10x slower engines in bf16)")
+                    "float32 where the CPU lacks bf16 products (AVX2 only), on which bf16 engines run several times slower")
 
 
 def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
