@@ -57,7 +57,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (free_port, machine, python_source_corpus, save, save_figure, scratch,  # noqa: E402
+from common import (free_port, python_source_corpus, save, save_figure, scratch,  # noqa: E402
                     start_openai_server, start_redis, summarize_runs, wait_port)
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
@@ -335,7 +335,7 @@ def main() -> None:
     if "vllm" in results.get(NO_REUSE, {}):
         goals[(NO_REUSE, "ttft_p50_ms")] = (1.1 * results[NO_REUSE]["vllm"]["median"]["ttft_p50_ms"]["median"],
                                             "goal: plain vLLM + 10 %")
-    host = machine()
+    host = json.loads(path.read_text())["machine"]     # as save() recorded it, not probed a second time
     plot_rounds(a.name, results, f"{a.name} — {Path(a.model).name} ({a.dtype}), vLLM {host['vllm']}, "
                 f"{host['cpus']}-core {host['cpu_isa']} CPU, vLLM's bench serve at concurrency {a.concurrency}, {a.runs} runs",
                 goals)
