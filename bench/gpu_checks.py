@@ -12,6 +12,7 @@ they are missing (on the GPU machine: the same encode the connector does):
 
     python bench/gpu_checks.py --capture ../shared/models/tinycode-16m-4k --data .gpu_data
     python bench/gpu_checks.py --data .gpu_data --out results_dir
+    python bench/gpu_checks.py --out results_dir --replot     # the PNG again, from the JSON
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def capture_kv(model: str, data_dir: Path) -> None:
     kv, _ = capture(model, 2048)
     data_dir.mkdir(parents=True, exist_ok=True)
     torch.save(kv, data_dir / "kv_2048.pt")
+    (data_dir / "kv_2048.json").write_text(json.dumps({"model": Path(model).name, "tokens": 2048}))
+
+
+def kv_source(data_dir: Path) -> dict | None:
+    """Which model and how many tokens kv_2048.pt holds (written by --capture)."""
+    path = data_dir / "kv_2048.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def encode_missing(data_dir: Path) -> dict:
@@ -218,6 +226,62 @@ def median_of(runs: list):
     return first
 
 
+def plot(result: dict, out_dir: Path) -> Path:
+    """Copy path (kvreel vs a raw pinned copy) and decode rate by workers (NVDEC vs
+    PyAV), medians with every run's min-max, titled with the machine and the KV."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [r for r in result["runs"] if "copy_path" in r and "nvdec" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
+
+    def spread(values):
+        m = statistics.median(values)
+        return m, [[m - min(values)], [max(values) - m]]
+
+    cases = list(runs[0]["copy_path"])
+    labels, x = [], 0
+    for case in cases:
+        for direction in ("d2h", "h2d"):
+            for who, color in (("kvreel", "tab:blue"), ("raw_pinned", "tab:grey")):
+                m, err = spread([r["copy_path"][case][f"{who}_{direction}_GBps"] for r in runs])
+                ax1.bar(x, m, yerr=err, color=color, capsize=3, label=who.replace("_", " ") if x < 2 else None)
+                x += 1
+            labels.append(f"{case.split(' ')[0]}\n{direction}")
+            x += 0.6
+    ax1.set_xticks([i * 2.6 + 0.5 for i in range(len(labels))], labels, fontsize=8)
+    ax1.set_ylabel("GB/s (64 blocks, 64 MiB)")
+    ax1.set_title("connector copy path", fontsize=9)
+    ax1.legend(fontsize=8)
+    workers = (1, 2, 4, 8)
+    for name in sorted(k for k in runs[0]["nvdec"] if k.endswith(".kvrc")):
+        res = runs[0]["nvdec"][name]["resolution"]
+        for backend, style in (("nvdec", "-"), ("cpu", "--")):
+            key = f"{backend}_{{}}w_GB_kv_per_s"
+            if key.format(1) not in runs[0]["nvdec"][name]:
+                continue
+            meds, errs = zip(*(spread([r["nvdec"][name][key.format(w)] for r in runs]) for w in workers))
+            ax2.errorbar(workers, meds, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], ls=style, marker="o",
+                         capsize=3, label=f"{'NVDEC' if backend == 'nvdec' else 'PyAV (CPU)'}, {res}x{res} frames")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(workers, [str(w) for w in workers])
+    ax2.set_xlabel("DecoderPool workers (16 chunks)")
+    ax2.set_ylabel("GB of KV decoded per s")
+    ax2.set_title("bit-exact decode of kvreel containers", fontsize=9)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    m = result["machine"]
+    kv = result.get("kv_source")
+    what = f"KV of {kv['model']} ({kv['tokens']} tokens)" if kv else "KV of a trained model"
+    fig.suptitle(f"GPU checks — {m.get('gpu')}, torch {m.get('torch')}, {what}, commit {result['commit'][:7]}; "
+                 f"median of {len(runs)} runs, bars = min-max", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "gpu_checks.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default=".gpu_data")
@@ -225,18 +289,23 @@ def main():
     ap.add_argument("--commit", help="the commit the copied tree is at, where it has no git history")
     ap.add_argument("--runs", type=int, default=3, help="whole runs; the JSON holds each and their median")
     ap.add_argument("--capture", metavar="MODEL", help="only capture kv_2048.pt from MODEL into --data")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's gpu_checks.json")
     a = ap.parse_args()
     if a.capture:
         capture_kv(a.capture, Path(a.data))
         return
+    if a.replot:
+        print(plot(json.loads((Path(a.out) / "gpu_checks.json").read_text()), Path(a.out)))
+        return
     result = {"benchmark": "gpu_checks", "commit": a.commit or commit(),
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-              "libx265_encode_s": encode_missing(Path(a.data)),
+              "kv_source": kv_source(Path(a.data)), "libx265_encode_s": encode_missing(Path(a.data)),
               "runs": [one_run(Path(a.data)) for _ in range(a.runs)]}
     result["median"] = median_of(result["runs"])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_checks.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    print(plot(result, Path(a.out)))
 
 
 if __name__ == "__main__":
