@@ -400,11 +400,11 @@ def plot_agreement(name: str, points: list[tuple[float, float, str]], xlabel: st
     return save_figure(fig, name)
 
 
-def save_figure(fig, name: str, dpi: int = 120) -> Path:
-    """Lay out ``fig``, write it as results/NAME.png and free it."""
+def save_figure(fig, name: str, dpi: int = 120, folder: Path = RESULTS) -> Path:
+    """Lay out ``fig``, write it as FOLDER/NAME.png (results/ unless said) and free it."""
     import matplotlib.pyplot as plt
     fig.tight_layout()
-    path = RESULTS / f"{name}.png"
+    path = folder / f"{name}.png"
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

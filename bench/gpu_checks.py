@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit, machine  # noqa: E402
+from common import commit, machine, save_figure  # noqa: E402
 
 
 def nvdec_checks(data_dir: Path) -> dict:
@@ -236,16 +236,17 @@ def plot(result: dict, out_dir: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
 
     def spread(values):
+        """The median and its distances down to the smallest and up to the largest run."""
         m = statistics.median(values)
-        return m, [[m - min(values)], [max(values) - m]]
+        return m, m - min(values), max(values) - m
 
     cases = list(runs[0]["copy_path"])
     labels, x = [], 0
     for case in cases:
         for direction in ("d2h", "h2d"):
             for who, color in (("kvreel", "tab:blue"), ("raw_pinned", "tab:grey")):
-                m, err = spread([r["copy_path"][case][f"{who}_{direction}_GBps"] for r in runs])
-                ax1.bar(x, m, yerr=err, color=color, capsize=3, label=who.replace("_", " ") if x < 2 else None)
+                m, down, up = spread([r["copy_path"][case][f"{who}_{direction}_GBps"] for r in runs])
+                ax1.bar(x, m, yerr=[[down], [up]], color=color, capsize=3, label=who.replace("_", " ") if x < 2 else None)
                 x += 1
             labels.append(f"{case.split(' ')[0]}\n{direction}")
             x += 0.6
@@ -260,8 +261,8 @@ def plot(result: dict, out_dir: Path) -> Path:
             key = f"{backend}_{{}}w_GB_kv_per_s"
             if key.format(1) not in runs[0]["nvdec"][name]:
                 continue
-            meds, errs = zip(*(spread([r["nvdec"][name][key.format(w)] for r in runs]) for w in workers))
-            ax2.errorbar(workers, meds, yerr=[[e[0][0] for e in errs], [e[1][0] for e in errs]], ls=style, marker="o",
+            meds, downs, ups = zip(*(spread([r["nvdec"][name][key.format(w)] for r in runs]) for w in workers))
+            ax2.errorbar(workers, meds, yerr=[downs, ups], ls=style, marker="o",
                          capsize=3, label=f"{'NVDEC' if backend == 'nvdec' else 'PyAV (CPU)'}, {res}x{res} frames")
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(workers, [str(w) for w in workers])
@@ -275,11 +276,7 @@ def plot(result: dict, out_dir: Path) -> Path:
     what = f"KV of {kv['model']} ({kv['tokens']} tokens)" if kv else "KV of a trained model"
     fig.suptitle(f"GPU checks — {m.get('gpu')}, torch {m.get('torch')}, {what}, commit {result['commit'][:7]}; "
                  f"median of {len(runs)} runs, bars = min-max", fontsize=9)
-    fig.tight_layout()
-    path = out_dir / "gpu_checks.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "gpu_checks", folder=out_dir)
 
 
 def main():
