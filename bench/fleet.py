@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cluster_master, engine_env, free_port, save, scratch, start_redis_cluster,  # noqa: E402
-                    stop_all, zmq_relay)
+from common import (cluster_master, engine_env, free_port, save, save_figure, scratch,  # noqa: E402
+                    start_redis_cluster, stop_all, zmq_relay)
 from peers import (add_dtype_arg, add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
 
@@ -126,17 +126,88 @@ def run_once(name: str, workload: list[str], a, work: Path) -> dict:
     fleet = Fleet(kvreel, policy, a, work)
     try:
         before = fleet.counters()
-        got = bench_serve(fleet.router, a.model, workload, work / "result.json", work / "client.log", served=a.model)
+        got = bench_serve(fleet.router, a.model, workload, work / "result.json", work / "client.log", served=a.model,
+                          detailed=a.detailed)
         d = {k: v - before.get(k, 0.0) for k, v in fleet.counters().items()}
     finally:
         fleet.stop()
     queried = d.get("vllm:prefix_cache_queries_total", 0.0)
-    return {"completed": got["completed"], "failed": got.get("failed", 0), "duration_s": got["duration"],
+    per_request = {"ttfts_ms": [1e3 * t for t in got["ttfts"]], "input_lens": got["input_lens"]} if a.detailed else {}
+    return {**per_request, "completed": got["completed"], "failed": got.get("failed", 0), "duration_s": got["duration"],
             "request_throughput": got["request_throughput"], "total_token_throughput": got["total_token_throughput"],
             "ttft_p50_ms": got["median_ttft_ms"], "ttft_p99_ms": got["p99_ttft_ms"],
             "tpot_p50_ms": got["median_tpot_ms"],
             "hit_rate_vllm_prefix_cache": d.get("vllm:prefix_cache_hits_total", 0.0) / queried if queried else 0.0,
             "hit_rate_kvreel": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queried if queried else 0.0}
+
+
+def first_uses(a) -> tuple[list[bool], list[int]]:
+    """For ``prefix_repetition``'s requests in the order ``vllm bench serve`` sends
+    them (its dataset drawn again with the same seed): whether each is the first
+    to carry its prefix (no engine can hold that prefix yet), and each one's
+    prompt length (to check the order against the client's)."""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
+    tok = AutoTokenizer.from_pretrained(a.model)
+    reqs = PrefixRepetitionRandomDataset(random_seed=0).sample(
+        tok, num_requests=a.num_prompts, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
+        num_prefixes=a.prefixes, output_len=a.output_len)
+    seen: set[tuple[int, ...]] = set()
+    first = []
+    for r in reqs:
+        prefix = tuple(tok.encode(r.prompt, add_special_tokens=False)[:a.prefix_len // 2])
+        first.append(prefix not in seen)
+        seen.add(prefix)
+    return first, [r.prompt_len for r in reqs]
+
+
+def ttft_by_use(by: dict, first: list[bool], lens: list[int]) -> dict:
+    """Per configuration and run: TTFT of the requests that first carry a prefix
+    (median, max) and of the others (median, p99), beside the run's p99."""
+    import numpy as np
+    out = {}
+    for c, v in by.items():
+        rows = []
+        for run in v["runs"]:
+            t = np.array(run["ttfts_ms"])
+            cold = np.array(first)
+            rows.append({"order_matches_client": run["input_lens"] == lens, "first_uses": int(cold.sum()),
+                         "first_use_median_ms": float(np.median(t[cold])), "first_use_max_ms": float(t[cold].max()),
+                         "reuse_median_ms": float(np.median(t[~cold])),
+                         "reuse_p99_ms": float(np.percentile(t[~cold], 99)), "all_p99_ms": float(np.percentile(t, 99)),
+                         "slowest_requests_first_uses": int(cold[np.argsort(t)[-len(t) // 20:]].sum())})
+        out[c] = {"runs": rows, **{k: float(np.median([r[k] for r in rows])) for k in rows[0]
+                                   if k.endswith("_ms")}}
+    return out
+
+
+def plot_ttft_by_use(name: str, saved: dict) -> None:
+    """Every request's TTFT on ``prefix_repetition``, per configuration and run,
+    the first uses of a prefix marked apart from the reuses."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = saved["results"]["prefix_repetition"]
+    first = saved["first_uses"]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
+    for x, (c, v) in enumerate(by.items()):
+        for r, run in enumerate(v["runs"]):
+            at = x + (r - 1) * 0.22
+            cold = [t for t, f in zip(run["ttfts_ms"], first) if f]
+            warm = [t for t, f in zip(run["ttfts_ms"], first) if not f]
+            ax.plot([at] * len(warm), warm, ".", color="tab:blue", alpha=0.5, label="reuse" if x == r == 0 else None)
+            ax.plot([at] * len(cold), cold, "x", color="tab:red", label="first use of a prefix" if x == r == 0 else None)
+            p99 = saved["ttft_by_use"][c]["runs"][r]["all_p99_ms"]
+            ax.plot([at - 0.09, at + 0.09], [p99, p99], "k-", lw=1.5, label="run's p99" if x == r == 0 else None)
+    ax.set_xticks(range(len(by)), list(by), fontsize=8)
+    ax.set_ylabel("TTFT (ms)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    s = saved["settings"]
+    ax.set_title(f"prefix_repetition, every request of every run (runs side by side): {saved['model']} "
+                 f"({s.get('dtype', 'auto')}), two engines, 1 {saved['machine'].get('cpu_isa', 'x86')} core each",
+                 fontsize=9)
+    save_figure(fig, name + "_ttft_by_use")
 
 
 def plot_fleet(name: str, saved: dict) -> None:
@@ -165,6 +236,8 @@ def main() -> None:
     add_workload_args(ap, 96)
     add_dtype_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=3072)
+    ap.add_argument("--detailed", action="store_true",
+                    help="keep every request's TTFT; on prefix_repetition, tell first uses of a prefix from reuses")
     ap.add_argument("--name", default="fleet")
     a = ap.parse_args()
     with scratch("kvreel-fleet-") as work:
@@ -186,8 +259,14 @@ def main() -> None:
                                   "concurrency 4, seed 0, ignore_eos", "runs": a.runs, "PYTHONHASHSEED": 0,
                         **workload_settings(a, turns, cache_tokens)},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
+    detailed = a.detailed and "prefix_repetition" in results
+    if detailed:
+        out["first_uses"], lens = first_uses(a)
+        out["ttft_by_use"] = ttft_by_use(results["prefix_repetition"], out["first_uses"], lens)
     path = save(a.name, out)
     plot_fleet(a.name, json.loads(path.read_text()))
+    if detailed:
+        plot_ttft_by_use(a.name, json.loads(path.read_text()))
     print(json.dumps(ratios, indent=1))
     print("wrote", path)
 

@@ -153,15 +153,16 @@ def multi_turn_dataset(path: Path, tokenizer, conversations: int, turns: int, fi
 
 
 def bench_serve(base: str, model: str, workload: list[str], out: Path, log: Path, served: str = "m",
-                concurrency: int = 4) -> dict:
+                concurrency: int = 4, detailed: bool = False) -> dict:
     """One run of ``vllm bench serve`` (requests name the model ``served``, at most
-    ``concurrency`` in flight); its saved result."""
+    ``concurrency`` in flight); its saved result, with every request's figures
+    in the order sent where ``detailed``."""
     host, port = base.removeprefix("http://").split(":")
     cmd = [sys.executable, "-c", BENCH_CLIENT, "bench", "serve", "--backend", "vllm", "--host", host, "--port", port,
            "--model", served, "--tokenizer", model, "--request-rate", "inf", "--max-concurrency", str(concurrency),
            "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
            "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--ignore-eos",
-           *workload]
+           *(["--save-detailed"] if detailed else []), *workload]
     with log.open("w") as f:
         rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     if rc != 0:

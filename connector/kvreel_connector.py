@@ -181,10 +181,16 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from kvreel.connector.scheduler_side import KVReelScheduler
             regions, block_bytes = layout_of(kv_cache_config)
+            history_bytes = None
+            if self.cfg.retrieval != "off":           # one full-attention group (check_kv_cache_groups)
+                from kvreel.connector.retrieval.history import history_bytes_per_block
+                spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+                history_bytes = history_bytes_per_block(regions * block_bytes, block_size, spec.head_size, spec.dtype)
             self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes,
                                               workers=vllm_config.parallel_config.world_size,
                                               groups=len(kv_cache_config.kv_cache_groups),
-                                              kv_events=kv_events_enabled(vllm_config))
+                                              kv_events=kv_events_enabled(vllm_config),
+                                              history_bytes_per_block=history_bytes)
         else:
             from kvreel.connector.worker_side import KVReelWorker
             self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)

@@ -69,6 +69,19 @@ def test_history_holds_every_token_in_order_and_hands_the_keys_after_the_sink_to
         lh.append(pages[:1], 3)
 
 
+def test_the_host_budget_is_charged_what_a_history_block_holds():
+    from kvreel.connector.retrieval.history import history_bytes_per_block, scoring_dtype
+    lh, k, v = history(blocks=16)
+    pages = pages_of(k, v)
+    lh.append(pages, 0)                                   # 16 blocks at once: nothing reserved beyond them
+    per_block = history_bytes_per_block(pages[0].numel() * pages.element_size(), BS, D, torch.bfloat16)
+    assert lh.reserved_bytes == 16 * per_block - H * BS * 8         # the sink block's tokens carry no label
+    if scoring_dtype(torch.bfloat16) == torch.float32:   # keys held in float32: twice what the pages take
+        assert per_block > 2 * pages[0].numel() * pages.element_size()
+    lh.append(pages_of(k[:BS], v[:BS]), 16)               # one more: room to grow into, held or not
+    assert lh.nbytes < 17 * per_block < lh.reserved_bytes
+
+
 def test_clusters_follow_the_labels_and_rank_the_candidates():
     """Centroids are the labelled keys' means, also after every label changed (a
     Mosaic split); candidates are the tokens of the clusters the rows rank best,

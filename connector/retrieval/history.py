@@ -49,6 +49,17 @@ def scoring_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dtype
 
 
+def history_bytes_per_block(page_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Host memory a history block takes, for ``page_bytes`` of its cache pages (all
+    layers): the pages as vLLM packed them, and per head every token's key in the
+    dtype it is scored in, the block's channel-wise key bounds (float32) and its
+    tokens' cluster labels (int64). Keys held in float32 beside 16-bit pages
+    double what the pages alone take."""
+    page = 2 * block_size * head_dim * dtype.itemsize                 # one head's share of a page
+    extra = block_size * head_dim * scoring_dtype(dtype).itemsize + 2 * head_dim * 4 + block_size * 8
+    return page_bytes * (page + extra) // page
+
+
 def rows_of(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x[h, index[h]]`` for every head: ``[H, n, D]`` from ``x`` ``[H, T, D]`` and
     ``index`` ``[H, n]`` (into ``out`` where given). Row copies (``index_select``)
@@ -85,6 +96,10 @@ class Scratch:
         if flat is None or flat.numel() < numel or flat.dtype != dtype:
             flat = self._flat[name] = torch.empty(numel, dtype=dtype)
         return flat[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
 class ClusterIndex:
@@ -134,6 +149,12 @@ class LayerHistory:
     @property
     def nbytes(self) -> int:
         return self.heads * self.num_tokens * self.head_dim * (self.keys.element_size() + 2 * self.pages.element_size())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of every tensor it keeps, with the room reserved to grow into."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.pages, self.bounds, self.labels,
+                                                          self.sums, self.counts))
 
     def append(self, pages: torch.Tensor, first_block: int) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
@@ -276,3 +297,7 @@ class RequestHistory:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(layer.reserved_bytes for layer in self.layers)

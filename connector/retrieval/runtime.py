@@ -286,6 +286,15 @@ class RetrievalRuntime:
         self.count("retrieval_history_blocks", hist.num_blocks)
         self.count("retrieval_kept_blocks", kept_blocks)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held in this worker, by part: the long requests' histories (their
+        KV and keys, then every tensor with the room reserved to grow into), the
+        working-set buffers, and the steps' temporaries."""
+        return {"history": sum(h.nbytes for h in self.histories.values()),
+                "history_reserved": sum(h.reserved_bytes for h in self.histories.values()),
+                "working_sets": sum(b.numel() * b.element_size() for b in self.buffers.values()),
+                "temporaries": self._temporaries.nbytes}
+
     def scratch(self, pages: int) -> torch.Tensor:
         """``pages`` cache pages ``[pages, H, 2 bs, D]`` for one kernel call's working
         sets (a prefill chunk's groups), reused by every layer and step: kept, not

@@ -38,11 +38,13 @@ __all__ = ["Chunk", "KVReelScheduler"]
 
 class KVReelScheduler:
     def __init__(self, cfg: KVReelConfig, identity: str, block_size: int, bytes_per_block: int,
-                 workers: int = 1, groups: int = 1, kv_events: bool = False):
+                 workers: int = 1, groups: int = 1, kv_events: bool = False,
+                 history_bytes_per_block: int | None = None):
         if cfg.chunk_tokens % block_size:
             raise ValueError(f"KVREEL_CHUNK_TOKENS={cfg.chunk_tokens} must be a multiple of the engine's "
                              f"block size ({block_size})")
         self.cfg, self.identity, self.block_size, self.bytes_per_block = cfg, identity, block_size, bytes_per_block
+        self.history_bytes_per_block = history_bytes_per_block or bytes_per_block    # retrieval's history, held
         self.stats = KVReelStats()
         self.reqs: dict[str, RequestState] = {}
         self.workflows = WorkflowTracker() if cfg.eviction == "workflow" else None
@@ -159,7 +161,7 @@ class KVReelScheduler:
         past the budget kvreel says so once and holds it anyway."""
         if self.history is None or self.cfg.cpu_bytes <= 0:
             return
-        want = sum(self.history.planned.values()) * self.bytes_per_block
+        want = sum(self.history.planned.values()) * self.history_bytes_per_block
         grow = want - self._history_bytes
         if grow > 0:
             victims = self.host.victims_for(grow)

@@ -33,5 +33,10 @@ class HostTier(ChunkTier):
     def __len__(self) -> int:
         return len(self._chunks)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payloads held."""
+        return sum(t.numel() * t.element_size() for t in self._chunks.values())
+
     def close(self) -> None:
         self._chunks.clear()

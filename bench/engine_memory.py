@@ -1,0 +1,187 @@
+"""Where an engine's memory goes with kvreel's retrieval: resident memory over a
+run of long prompts, by part, against plain vLLM in the same run.
+
+    python bench/engine_memory.py --model models/smollm2-135m [--dtype float32]
+
+The workload is the long-context suite's (``long_context_tasks``: single
+needles at ``--length`` tokens, ``--cases`` of them, ``--batch`` at a time,
+prefill chunks of ``--chunk``), as its engines serve it: vLLM's paged cache of
+``VLLM_CPU_KVCACHE_SPACE`` GiB, kvreel's host tier at ``--host`` (the suite's
+4 GiB) and at a smaller one, retrieval (resv) at its defaults. Each
+configuration is a fresh in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+so its parts can be read between steps); after every step it records the
+process's resident memory and what kvreel holds: the host tier's payloads
+(every chunk a prompt computed is saved there, up to its byte budget, for
+reuse), the long requests' histories (their KV, keys and cluster labels, and
+the room reserved to grow into), the working-set buffers and the steps'
+temporaries, and the DRE service's resident memory (its own process).
+The paged cache is the size vLLM allocated. What is left is the engine's own
+(model, torch, vLLM), which plain vLLM's run shows alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, report, save,  # noqa: E402
+                    save_figure)
+from long_context_tasks import suite  # noqa: E402
+
+MIB = 1 << 20
+SAMPLES = 400               # kept per configuration (evenly thinned), besides the peak
+
+
+def _rss_mib(pid: int) -> float:
+    return next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")) / 1024
+
+
+def _dre_rss_mib() -> float:
+    """Resident memory of this process's DRE service children (MiB)."""
+    total = 0.0
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if b"dre_service" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    total += _rss_mib(int(child))
+            except OSError:
+                continue
+    return total
+
+
+def engine_main(args: dict) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    kw = {}
+    if args["host"]:
+        from vllm.config import KVTransferConfig
+        kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": args["host"]})
+    prompts = json.loads(Path(args["work"]).read_text())
+    started = _rss_mib(os.getpid())
+    llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"], dtype=args["dtype"],
+              max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"], seed=0, **kw)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    paged = sum(t.size for t in core.scheduler.kv_cache_config.kv_cache_tensors)
+    loaded = _rss_mib(os.getpid())
+    host = runtime = None
+    if args["host"]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from kvreel.connector.retrieval.runtime import RetrievalRuntime
+        from kvreel.connector.tiers import Tier
+        host = get_kv_transfer_group()._worker.every_tier[Tier.HOST]
+        runtime = RetrievalRuntime.instance()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids),
+                           SamplingParams(max_tokens=args["max_tokens"], temperature=0.0))
+    samples, t0 = [], time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = {"t": time.perf_counter() - t0, "rss_mib": _rss_mib(os.getpid()), "dre_mib": _dre_rss_mib()}
+        if host is not None:
+            s["host_tier_mib"] = host.nbytes / MIB
+        if runtime is not None:
+            s.update({f"{k}_mib": v / MIB for k, v in runtime.memory().items()})
+        samples.append(s)
+    peak = max(samples, key=lambda s: s["rss_mib"] + s["dre_mib"])
+    every = max(1, len(samples) // SAMPLES)
+    report({"started_mib": started, "loaded_mib": loaded, "paged_cache_mib": paged / MIB,
+            "peak": peak, "last": samples[-1], "steps": len(samples),
+            "samples": samples[::every], "wall_s": samples[-1]["t"]})
+    core.shutdown()
+
+
+PARTS = (("paged_cache_mib", "vLLM's paged cache"), ("host_tier_mib", "kvreel host tier"),
+         ("history_reserved_mib", "retrieval histories (reserved)"), ("working_sets_mib", "working-set buffers"),
+         ("temporaries_mib", "step temporaries"), ("dre_mib", "DRE service"))
+
+
+def breakdown(got: dict) -> dict:
+    """The peak's resident memory by part (MiB); ``engine`` is what is left."""
+    peak = got["peak"]
+    parts = {"paged_cache_mib": got["paged_cache_mib"],
+             **{k: peak.get(k, 0.0) for k, _ in PARTS if k != "paged_cache_mib"}}
+    parts["engine_mib"] = peak["rss_mib"] + peak["dre_mib"] - sum(parts.values())
+    return parts
+
+
+def plot(name: str, rows: dict, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    labels = list(rows)
+    bottom = [0.0] * len(labels)
+    for key, label in (*PARTS, ("engine_mib", "engine (model, torch, vLLM)")):
+        ys = [rows[c]["breakdown"][key] / 1024 for c in labels]
+        ax.bar(labels, ys, bottom=bottom, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.set_ylabel("GiB at peak (engine process + DRE)")
+    ax.set_title("resident memory at its peak, by part", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    for c in labels:
+        xs = [s["t"] for s in rows[c]["samples"]]
+        ax2.plot(xs, [(s["rss_mib"] + s["dre_mib"]) / 1024 for s in rows[c]["samples"]], label=c)
+    ax2.set_xlabel("seconds since the first request")
+    ax2.set_ylabel("GiB resident (engine process + DRE)")
+    ax2.set_title("resident memory over the run (one run)", fontsize=9)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--length", type=int, default=8000, help="prompt tokens")
+    ap.add_argument("--cases", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=4, help="max_num_seqs")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--host", default="4GiB,1GiB", help="kvreel host tier sizes (KVREEL_CPU_BYTES), one engine each")
+    ap.add_argument("--kvcache-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB), every engine")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+    import vllm
+    tok = AutoTokenizer.from_pretrained(a.model)
+    cases = suite(tok, ["niah_single"], [a.length], a.cases)
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-engine-memory.json"
+    work.write_text(json.dumps([c.prompt_ids for c in cases]))
+    configs = [("plain vLLM", None)] + [(f"kvreel resv, host {h}", h) for h in a.host.split(",")]
+    name = a.name or f"engine_memory_{Path(a.model).name}"
+    rows = {}
+    for label, host in configs:
+        print(f"== {label}", flush=True)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": a.kvcache_space,
+               **({"KVREEL_RETRIEVAL": "resv"} if host else {})}
+        got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "host": host, "dtype": a.dtype,
+                                              "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
+                                              "max_model_len": a.length + a.max_tokens + 64}, env, timeout=3 * 3600)
+        if "error" in got:
+            raise RuntimeError(f"{label}: {got['error']}")
+        got["breakdown"] = breakdown(got)
+        rows[label] = got
+        print(json.dumps({"breakdown": got["breakdown"], "peak_rss_mib": got["peak"]["rss_mib"],
+                          "wall_s": got["wall_s"]}), flush=True)
+    settings = {"task": "niah_single", "length": a.length, "cases": a.cases, "batch": a.batch, "chunk": a.chunk,
+                "max_tokens": a.max_tokens, "host": a.host, "VLLM_CPU_KVCACHE_SPACE": a.kvcache_space,
+                "dtype": a.dtype, "retrieval": "resv, defaults", "runs": 1,
+                "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
+    path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings, "rows": rows})
+    plot(name, rows, f"engine memory, {a.cases} prompts of {a.length} tokens, {a.batch} at a time "
+                     f"({Path(a.model).name}, {a.dtype}, paged cache {a.kvcache_space} GiB; 2-core x86 CPU, one run)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    engine_or_main(engine_main, main)
