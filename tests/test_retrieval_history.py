@@ -80,6 +80,16 @@ def test_the_host_budget_is_charged_what_a_history_block_holds():
         assert per_block > 2 * pages[0].numel() * pages.element_size()
     lh.append(pages_of(k[:BS], v[:BS]), 16)               # one more: room to grow into, held or not
     assert lh.nbytes < 17 * per_block < lh.reserved_bytes
+    assert lh.keys.shape[1] == 20 * BS                    # a quarter more, not twice
+
+
+def test_a_prompts_history_is_reserved_once_at_its_length():
+    lh, k, v = history(blocks=20)
+    pages = pages_of(k, v)
+    for first in range(0, 20, 4):                         # a chunk at a time, its length known
+        lh.append(pages[first:first + 4], first, room=20 * BS)
+        assert lh.keys.shape[1] == 20 * BS and lh.pages.shape[0] == 20 and lh.bounds.shape[1] == 20
+    assert torch.equal(lh.pages.view(torch.int16), pages.view(torch.int16))
 
 
 def test_clusters_follow_the_labels_and_rank_the_candidates():

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from kvreel.connector import freed_memory
 from kvreel.connector.retrieval.page_packing import PagePacking
 
 
@@ -156,14 +157,15 @@ class LayerHistory:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.pages, self.bounds, self.labels,
                                                           self.sums, self.counts))
 
-    def append(self, pages: torch.Tensor, first_block: int) -> torch.Tensor:
+    def append(self, pages: torch.Tensor, first_block: int, room: int = 0) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
-        keys of their tokens after the sink block ``[H, m, D]`` (float32, for the DRE)."""
+        keys of their tokens after the sink block ``[H, m, D]`` (float32, for the DRE).
+        ``room``: the tokens the history is known to reach (its prompt's), reserved at once."""
         if first_block * self.block_size != self.num_tokens:
             raise ValueError(f"history holds {self.num_tokens} tokens, got blocks from {first_block}")
         k = self.packing.unpack_part(pages, 0)                            # [n bs, H, D]
         n = k.shape[0]
-        self._reserve(self.num_tokens + n)
+        self._reserve(max(self.num_tokens + n, room))
         self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
         blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
@@ -177,10 +179,16 @@ class LayerHistory:
         return k.transpose(0, 1).float()
 
     def _reserve(self, tokens: int) -> None:
+        """Room for ``tokens``, and a quarter more than there was: rooms that doubled
+        held up to 1.6x a prefilled history's bytes (a prompt's history grows a chunk
+        at a time; ``bench/engine_memory.py``), where growing by a quarter costs a
+        few more copies of what is held."""
         cap = self.keys.shape[1]
         if tokens <= cap:
             return
-        new_cap = max(tokens, 2 * cap, 16 * self.block_size)
+        bs = self.block_size
+        new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
+        freed_memory.freed(sum(t.numel() * t.element_size() for t in (self.keys, self.bounds, self.pages)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
         for name, size, used in (("keys", new_cap, self.num_tokens), ("bounds", blocks, used_blocks)):
             old = getattr(self, name)

@@ -20,10 +20,12 @@ from kvreel.connector.retrieval.offload import LEDGER
 
 @dataclass
 class HistoryAppend:
-    """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history."""
+    """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history,
+    which holds ``prompt_blocks`` once the prompt is in (the worker reserves them)."""
     req_id: str
     first_block: int
     block_ids: list[int]
+    prompt_blocks: int = 0
 
 
 @dataclass
@@ -66,8 +68,9 @@ class HistoryPlanner:
             self.planned[req_id] = skip
 
     # -- per step ----------------------------------------------------------------------------
-    def plan(self, req_id: str, computed_after: int, block_ids: list[int]) -> None:
-        """A scheduled request: the blocks that leave its window in this step join its history."""
+    def plan(self, req_id: str, computed_after: int, block_ids: list[int], prompt_tokens: int = 0) -> None:
+        """A scheduled request (of ``prompt_tokens``): the blocks that leave its window
+        in this step join its history."""
         have = self.planned.get(req_id, 0)
         if have:
             newest = (computed_after - 1) // self.block_size
@@ -75,7 +78,8 @@ class HistoryPlanner:
                 self._step.rows[block_ids[newest]] = req_id
         target = min(self.window_start(computed_after), len(block_ids))
         if target > have:
-            self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target])))
+            self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target]),
+                                                    self.window_start(prompt_tokens)))
             self.planned[req_id] = target
             self._unconfirmed[req_id] = target
 

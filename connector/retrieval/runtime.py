@@ -57,6 +57,7 @@ import threading
 
 import torch
 
+from kvreel.connector import freed_memory
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
 from kvreel.connector.retrieval.history import RequestHistory, Scratch
@@ -170,24 +171,29 @@ class RetrievalRuntime:
         return self.buffers[layer][slot * self.slot_pages:(slot + 1) * self.slot_pages]
 
     def drop(self, req_id: str) -> None:
-        self.histories.pop(req_id, None)
+        hist = self.histories.pop(req_id, None)
+        if hist is not None:
+            freed_memory.freed(hist.reserved_bytes)
         self.slots.pop(req_id, None)
         for layer in range(getattr(self, "num_layers", 0)):
             self.working.pop((req_id, layer), None)
             self.dre.drop(req_id, layer)
 
-    def append_history(self, req_id: str, first_block: int, block_ids: list[int]) -> None:
+    def append_history(self, req_id: str, first_block: int, block_ids: list[int], prompt_blocks: int = 0) -> None:
         """Blocks ``first_block...`` of a request leave its window: copy their
         pages out of the engine's cache into the history (after the step that
-        computed them; vLLM frees them once the scheduler has heard back)."""
+        computed them; vLLM frees them once the scheduler has heard back). Its
+        history will hold ``prompt_blocks`` once its prompt is in: room for them
+        is reserved at once."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         self.add_history(req_id, first_block, [self.caches[layer].index_select(0, ids)
-                                               for layer in range(self.num_layers)])
+                                               for layer in range(self.num_layers)], prompt_blocks)
 
     @torch.inference_mode()
-    def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor]) -> None:
+    def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0) -> None:
         """Pages ``[n, H, 2 bs, D]`` per layer of blocks ``first_block...`` (from the
-        engine's cache, or loaded from kvreel's tiers) join the request's history."""
+        engine's cache, or loaded from kvreel's tiers) join the request's history
+        (room for ``room_blocks`` reserved)."""
         hist = self.histories.get(req_id)
         if hist is None:
             if first_block != 0:
@@ -201,7 +207,7 @@ class RetrievalRuntime:
         for layer, layer_pages in enumerate(pages):
             lh = hist.layers[layer]
             first_token = max(first_block, 1) * self.block_size
-            keys = lh.append(layer_pages, first_block)
+            keys = lh.append(layer_pages, first_block, room_blocks * self.block_size)
             if client is not None and keys.shape[1]:
                 self.dre.send(client, req_id, layer, lh, keys, first_token, self.working.get((req_id, layer)))
         hist.num_blocks += pages[0].shape[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvreel.codec.formats import ChunkUnavailable
+from kvreel.connector import freed_memory
 from kvreel.connector.tiers import ChunkTier, Tier
 
 
@@ -28,7 +29,9 @@ class HostTier(ChunkTier):
         return data
 
     def delete(self, key: bytes) -> None:
-        self._chunks.pop(key, None)
+        data = self._chunks.pop(key, None)
+        if data is not None:
+            freed_memory.freed(data.numel() * data.element_size())
 
     def __len__(self) -> int:
         return len(self._chunks)
