@@ -33,6 +33,8 @@ from common import (CONNECTOR, engine_in_subprocess, engine_or_main, report, sav
                     save_figure)
 from long_context_tasks import suite  # noqa: E402
 
+from kvreel.connector.config import parse_bytes  # noqa: E402
+
 MIB = 1 << 20
 SAMPLES = 400               # kept per configuration (evenly thinned), besides the peak
 
@@ -115,17 +117,24 @@ def plot(name: str, rows: dict, title: str) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 6.2))
     labels = list(rows)
     bottom = [0.0] * len(labels)
-    for key, label in (*PARTS, ("engine_mib", "engine (model, torch, vLLM)")):
+    for key, label in (*PARTS, ("engine_mib", "the rest: engine (model, torch, vLLM), and memory freed\n"
+                                                "that the allocator kept")):
         ys = [rows[c]["breakdown"][key] / 1024 for c in labels]
         ax.bar(labels, ys, bottom=bottom, label=label)
         bottom = [b + y for b, y in zip(bottom, ys)]
+    budget_label = "paged cache + KVREEL_CPU_BYTES"
+    for x, c in enumerate(labels):                    # what the host tier and the histories may take
+        if c.startswith("kvreel"):
+            top = rows[c]["breakdown"]["paged_cache_mib"] / 1024 + parse_bytes(c.rsplit(" ", 1)[1]) / (1 << 30)
+            ax.plot([x - 0.4, x + 0.4], [top, top], "k--", lw=1, label=budget_label)
+            budget_label = None
     ax.set_ylabel("GiB at peak (engine process + DRE)")
     ax.set_title("resident memory at its peak, by part", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     for c in labels:
         xs = [s["t"] for s in rows[c]["samples"]]
         ax2.plot(xs, [(s["rss_mib"] + s["dre_mib"]) / 1024 for s in rows[c]["samples"]], label=c)
