@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cluster_master, engine_env, free_port, save, save_figure, scratch,  # noqa: E402
+from common import (cluster_master, commit, engine_env, free_port, save, save_figure, scratch,  # noqa: E402
                     start_redis_cluster, stop_all, zmq_relay)
 from peers import (add_dtype_arg, add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
@@ -143,12 +143,13 @@ def run_once(name: str, workload: list[str], a, work: Path) -> dict:
 
 def first_uses(a) -> tuple[list[bool], list[int]]:
     """For ``prefix_repetition``'s requests in the order ``vllm bench serve`` sends
-    them (its dataset drawn again with the same seed): whether each is the first
-    to carry its prefix (no engine can hold that prefix yet), and each one's
-    prompt length (to check the order against the client's)."""
-    from transformers import AutoTokenizer
+    them (its dataset drawn again with the same seed and tokenizer): whether each
+    is the first to carry its prefix (no engine can hold that prefix yet), and
+    each one's prompt length as the client reports it (the prompt's text
+    encoded again: to check the order against the client's)."""
     from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
-    tok = AutoTokenizer.from_pretrained(a.model)
+    from vllm.tokenizers import get_tokenizer
+    tok = get_tokenizer(a.model)
     reqs = PrefixRepetitionRandomDataset(random_seed=0).sample(
         tok, num_requests=a.num_prompts, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
         num_prefixes=a.prefixes, output_len=a.output_len)
@@ -158,7 +159,7 @@ def first_uses(a) -> tuple[list[bool], list[int]]:
         prefix = tuple(tok.encode(r.prompt, add_special_tokens=False)[:a.prefix_len // 2])
         first.append(prefix not in seen)
         seen.add(prefix)
-    return first, [r.prompt_len for r in reqs]
+    return first, [len(tok.encode(r.prompt)) for r in reqs]
 
 
 def ttft_by_use(by: dict, first: list[bool], lens: list[int]) -> dict:
@@ -239,7 +240,18 @@ def main() -> None:
     ap.add_argument("--detailed", action="store_true",
                     help="keep every request's TTFT; on prefix_repetition, tell first uses of a prefix from reuses")
     ap.add_argument("--name", default="fleet")
+    ap.add_argument("--reanalyze", type=Path, help="a saved --detailed JSON: tell first uses apart again, redraw")
     a = ap.parse_args()
+    if a.reanalyze:
+        saved = json.loads(a.reanalyze.read_text())
+        for k, v in saved["settings"]["prefix_repetition"].items():
+            setattr(a, k, v)
+        saved["first_uses"], lens = first_uses(a)
+        saved["first_uses_told_by_commit"] = commit()
+        saved["ttft_by_use"] = ttft_by_use(saved["results"]["prefix_repetition"], saved["first_uses"], lens)
+        a.reanalyze.write_text(json.dumps(saved, indent=1))
+        plot_ttft_by_use(a.reanalyze.stem, saved)
+        return
     with scratch("kvreel-fleet-") as work:
         all_workloads, turns = build_workloads(a, work)
         results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
