@@ -4,9 +4,9 @@ glibc's malloc serves a request below its mmap threshold from its heaps, and
 it raises that threshold (up to 32 MiB) each time a larger block is freed. A
 long session's history and the host tier's chunks are tensors of a few MiB
 each, so they soon live in the heaps, and freeing them (a session ends, chunks
-are evicted) leaves the engine's resident memory where it was: on
-``bench/engine_memory.py``'s run, 2.2 GiB more than what the engine held
-once the first sessions had ended. ``malloc_trim`` returns the heaps' free
+are evicted) leaves the engine's resident memory where it was: at the end
+of ``bench/engine_memory.py``'s run, 2.0 GiB beyond what its parts and plain
+vLLM's engine explain. ``malloc_trim`` returns the heaps' free
 pages. kvreel calls it once it has freed ``TRIM_AFTER_BYTES`` since the last
 call, on a thread of its own (the call walks the heaps; ctypes releases the
 GIL for it), never in a step. Where the C library has no ``malloc_trim``
