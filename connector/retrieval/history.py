@@ -100,7 +100,7 @@ class Scratch:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
+        return sum(t.nbytes for t in self._flat.values())
 
 
 class ClusterIndex:
@@ -154,8 +154,7 @@ class LayerHistory:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of every tensor it keeps, with the room reserved to grow into."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.pages, self.bounds, self.labels,
-                                                          self.sums, self.counts))
+        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self.labels, self.sums, self.counts))
 
     def append(self, pages: torch.Tensor, first_block: int, room: int = 0) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
@@ -188,7 +187,7 @@ class LayerHistory:
             return
         bs = self.block_size
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
-        freed_memory.freed(sum(t.numel() * t.element_size() for t in (self.keys, self.bounds, self.pages)))
+        freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
         for name, size, used in (("keys", new_cap, self.num_tokens), ("bounds", blocks, used_blocks)):
             old = getattr(self, name)

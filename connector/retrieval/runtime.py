@@ -298,7 +298,7 @@ class RetrievalRuntime:
         working-set buffers, and the steps' temporaries."""
         return {"history": sum(h.nbytes for h in self.histories.values()),
                 "history_reserved": sum(h.reserved_bytes for h in self.histories.values()),
-                "working_sets": sum(b.numel() * b.element_size() for b in self.buffers.values()),
+                "working_sets": sum(b.nbytes for b in self.buffers.values()),
                 "temporaries": self._temporaries.nbytes}
 
     def scratch(self, pages: int) -> torch.Tensor:

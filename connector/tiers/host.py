@@ -31,7 +31,7 @@ class HostTier(ChunkTier):
     def delete(self, key: bytes) -> None:
         data = self._chunks.pop(key, None)
         if data is not None:
-            freed_memory.freed(data.numel() * data.element_size())
+            freed_memory.freed(data.nbytes)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -39,7 +39,7 @@ class HostTier(ChunkTier):
     @property
     def nbytes(self) -> int:
         """Bytes of the payloads held."""
-        return sum(t.numel() * t.element_size() for t in self._chunks.values())
+        return sum(t.nbytes for t in self._chunks.values())
 
     def close(self) -> None:
         self._chunks.clear()
