@@ -196,6 +196,30 @@ def summarize_runs(runs: list[dict]) -> dict:
                   "max": max(r[key] for r in runs)} for key in runs[0] if not isinstance(runs[0][key], list)}
 
 
+def rss_by_process_mib(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of a server and its descendants, by process: the API
+    server (``pid``), the DRE service(s), and the others by the name vLLM gives
+    them (``VLLM::EngineCore``, ``VLLM::Worker``). Children of every thread count
+    (a DRE restarted after a crash is started by a thread of its own)."""
+    rss: dict[str, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+            argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
+            name = "API server" if p == pid else "DRE" if b"dre_service" in cmdline else \
+                "resource tracker" if b"resource_tracker" in cmdline else \
+                argv0 if argv0.startswith("VLLM::") else Path(f"/proc/{p}/comm").read_text().strip()
+            kib = next(int(line.split()[1]) for line in open(f"/proc/{p}/status") if line.startswith("VmRSS:"))
+            rss[name] = rss.get(name, 0.0) + kib / 1024
+            todo += [int(c) for task in Path(f"/proc/{p}/task").iterdir()
+                     for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return rss
+
+
 def zmq_relay() -> tuple[str, str]:
     """A loopback ZMQ XSUB/XPUB relay on a thread: (publish endpoint, subscribe
     endpoint). vLLM's KV event publisher binds only ``tcp://*:PORT`` (every

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, engine_in_subprocess, engine_or_main, report, save,  # noqa: E402
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, report, rss_by_process_mib, save,  # noqa: E402
                     save_figure)
 from long_context_tasks import suite  # noqa: E402
 
@@ -39,21 +39,10 @@ MIB = 1 << 20
 SAMPLES = 400               # kept per configuration (evenly thinned), besides the peak
 
 
-def _rss_mib(pid: int) -> float:
-    return next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")) / 1024
-
-
-def _dre_rss_mib() -> float:
-    """Resident memory of this process's DRE service children (MiB)."""
-    total = 0.0
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                if b"dre_service" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    total += _rss_mib(int(child))
-            except OSError:
-                continue
-    return total
+def _rss_mib() -> tuple[float, float]:
+    """Resident memory (MiB) of this engine process and of its DRE service."""
+    rss = rss_by_process_mib(os.getpid())
+    return rss["API server"], rss.get("DRE", 0.0)
 
 
 def engine_main(args: dict) -> None:
@@ -64,13 +53,13 @@ def engine_main(args: dict) -> None:
         from vllm.config import KVTransferConfig
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": args["host"]})
     prompts = json.loads(Path(args["work"]).read_text())
-    started = _rss_mib(os.getpid())
+    started = _rss_mib()[0]
     llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"], dtype=args["dtype"],
               max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"], seed=0, **kw)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     paged = sum(t.size for t in core.scheduler.kv_cache_config.kv_cache_tensors)
-    loaded = _rss_mib(os.getpid())
+    loaded = _rss_mib()[0]
     host = runtime = None
     if args["host"]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -85,7 +74,8 @@ def engine_main(args: dict) -> None:
     samples, t0 = [], time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        s = {"t": time.perf_counter() - t0, "rss_mib": _rss_mib(os.getpid()), "dre_mib": _dre_rss_mib()}
+        rss, dre = _rss_mib()
+        s = {"t": time.perf_counter() - t0, "rss_mib": rss, "dre_mib": dre}
         if host is not None:
             s["host_tier_mib"] = host.nbytes / MIB
         if runtime is not None:

@@ -49,8 +49,8 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (free_port, python_source_corpus, save, save_figure, scratch, start_openai_server,  # noqa: E402
-                    start_redis)
+from common import (free_port, python_source_corpus, rss_by_process_mib, save, save_figure, scratch,  # noqa: E402
+                    start_openai_server, start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
@@ -165,28 +165,6 @@ def kill_program(program: str) -> int:
         except OSError:
             continue
     return killed
-
-
-def rss_by_process_mib(pid: int) -> dict[str, float]:
-    """Resident memory (MiB) of a server and its descendants, by process: the API
-    server (``pid``), the DRE service(s), and the others by the name vLLM gives
-    them (``VLLM::EngineCore``, ``VLLM::Worker``)."""
-    rss: dict[str, float] = {}
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
-            argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
-            name = "API server" if p == pid else "DRE" if b"dre_service" in cmdline else \
-                "resource tracker" if b"resource_tracker" in cmdline else \
-                argv0 if argv0.startswith("VLLM::") else Path(f"/proc/{p}/comm").read_text().strip()
-            kib = next(int(line.split()[1]) for line in open(f"/proc/{p}/status") if line.startswith("VmRSS:"))
-            rss[name] = rss.get(name, 0.0) + kib / 1024
-            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
-        except (OSError, StopIteration):
-            continue
-    return rss
 
 
 def memory_after_warmup(samples: list[dict], warmup_s: float) -> dict[str, dict]:
