@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, engine_in_subprocess, engine_or_main, plot_lines, python_source_corpus,  # noqa: E402
-                    report, save)
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, machine, plot_lines,  # noqa: E402
+                    python_source_corpus, report, save)
 
 # name -> the retrieval settings a segment decodes under (the rest: the defaults)
 SETTINGS = {
@@ -48,8 +48,6 @@ SETTINGS = {
     "budget <= 4 096 tokens": {"retrieval_budget_tokens": 4096},
     "DECODE_CANDIDATES=0": {"retrieval_decode_candidates": 0, "retrieval_budget_tokens": 4096},
 }
-# the engine starts with the largest budget: its working-set slots are sized by it at start-up
-LARGEST_BUDGET = max(s.get("retrieval_budget_tokens", 0) for s in SETTINGS.values())
 
 
 def _timed(cls, name: str, spent: dict, key: str) -> None:
@@ -82,13 +80,14 @@ def engine_main(args: dict) -> None:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
         kw["num_gpu_blocks_override"] = args["blocks"]
     n = args["tokens"]
-    llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=n + args["decode"] + 64,
+    llm = LLM(args["model"], enforce_eager=True, block_size=32, dtype=args["dtype"],
+              max_model_len=n + args["decode"] + 64,
               max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=4, seed=0,
               hf_overrides={"max_position_embeddings": max(8192, n + args["decode"] + 64)}, **kw)
     engine = llm.llm_engine
     engine.add_request("s", TokensPrompt(prompt_token_ids=json.loads(Path(args["prompt"]).read_text())),
                        SamplingParams(max_tokens=args["decode"] + 1, temperature=0.0, ignore_eos=True))
-    names = list(SETTINGS) if kvreel else ["full attention"]
+    names = args["settings"] if kvreel else ["full attention"]
     segments: list[dict] = []
     times: list[float] = []
     current = base = None
@@ -126,14 +125,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="segments of every setting, round-robin")
     ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache with kvreel (its history offloaded)")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--dtype", default="auto", help="the model's dtype in vLLM (float32 where the CPU lacks bf16 products)")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help="comma-separated names of SETTINGS to alternate (default: all)")
+    ap.add_argument("--name", default="decode_settings")
     a = ap.parse_args()
+    chosen = a.settings.split(",")
+    if unknown := set(chosen) - set(SETTINGS):
+        ap.error(f"unknown settings {sorted(unknown)}; known: {list(SETTINGS)}")
     from transformers import AutoTokenizer
     from kvreel.connector.config import KVReelConfig
     tok = AutoTokenizer.from_pretrained(a.model)
     lengths = [int(x) for x in a.lengths.split(",")]
     corpus = tok(python_source_corpus(8 * max(lengths)))["input_ids"]
     prompt = Path(tempfile.mkdtemp(prefix="kvreel-decode-settings-")) / "prompt.json"
-    decode = a.segment * a.rounds * len(SETTINGS)
+    decode = a.segment * a.rounds * len(chosen)
+    largest = max(SETTINGS[c].get("retrieval_budget_tokens", 0) for c in chosen)
     rows = []
     for n in lengths:
         row = {"history_tokens": n}
@@ -141,10 +148,11 @@ def main() -> None:
         for label, kvreel in (("full attention", False), ("kvreel", True)):
             got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt),
                                                   "kvreel": kvreel, "decode": decode, "segment": a.segment,
-                                                  "blocks": a.blocks, "chunk": a.chunk},
+                                                  "blocks": a.blocks, "chunk": a.chunk, "dtype": a.dtype,
+                                                  "settings": chosen},
                                        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                                         **({"KVREEL_RETRIEVAL": "resv",
-                                            "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(LARGEST_BUDGET)} if kvreel else {})}, timeout=3600)
+                                            "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(largest)} if kvreel else {})}, timeout=3600)
             if "error" in got:
                 raise RuntimeError(f"{label} at {n}: {got['error']}")
             by = collections.defaultdict(list)
@@ -156,7 +164,7 @@ def main() -> None:
                     if key in segs[0]:
                         row[name][key] = statistics.median(s[key] for s in segs)
         full = row["full attention"]["tpot_ms"]
-        for name in SETTINGS:
+        for name in chosen:
             row[name]["tpot_over_full_attention"] = row[name]["tpot_ms"] / full
         rows.append(row)
         print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "segments"})
@@ -164,16 +172,16 @@ def main() -> None:
     settings = {"lengths": a.lengths, "segment": a.segment, "rounds": a.rounds, "blocks": a.blocks, "chunk": a.chunk,
                 "block_size": 32, "decoded_per_engine": decode, "retrieval": "resv, defaults but the switched setting",
                 "default_budget_tokens": KVReelConfig.load({}).retrieval_budget_tokens,
-                "engine_budget_tokens": LARGEST_BUDGET,
-                "switched": SETTINGS,
+                "engine_budget_tokens": largest, "dtype": a.dtype,
+                "switched": {c: SETTINGS[c] for c in chosen},
                 "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
-    name = "decode_settings"
+    name = a.name
     path = save(name, {"model": Path(a.model).name, "settings": settings, "rows": rows})
     x = [r["history_tokens"] for r in rows]
-    plot_lines(name, x, {k: [r[k]["tpot_ms"] for r in rows] for k in ("full attention", *SETTINGS)},
+    plot_lines(name, x, {k: [r[k]["tpot_ms"] for r in rows] for k in ("full attention", *chosen)},
                "history tokens", "ms per token (median of segments)",
-               f"decoding on one session, settings alternated per {a.segment} tokens ({Path(a.model).name}, "
-               "2-core x86 CPU)")
+               f"decoding on one session, settings alternated per {a.segment} tokens ({Path(a.model).name} "
+               f"{a.dtype}, 2-core x86 CPU, {machine()['cpu_isa']}; medians of {a.rounds} segments)")
     print(f"wrote {path}")
 
 
