@@ -382,13 +382,16 @@ def save(name: str, payload: dict) -> Path:
 
 
 def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str,
-               logy: bool = False) -> Path:
+               logy: bool = False, goals: dict[str, float] | None = None) -> Path:
+    """One line per series against ``x``; ``goals``: labelled horizontal lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, ys in series.items():
         ax.plot(x, ys, marker="o", label=label)
+    for label, y in (goals or {}).items():
+        ax.axhline(y, color="grey", ls="--", lw=0.8, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)

@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="the model's dtype in vLLM (float32 where the CPU lacks bf16 products)")
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help="comma-separated names of SETTINGS to alternate (default: all)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="engines per length and configuration (a median over runs, every run kept)")
     ap.add_argument("--name", default="decode_settings")
     a = ap.parse_args()
     chosen = a.settings.split(",")
@@ -145,43 +147,57 @@ def main() -> None:
     for n in lengths:
         row = {"history_tokens": n}
         prompt.write_text(json.dumps(corpus[:n]))
-        for label, kvreel in (("full attention", False), ("kvreel", True)):
-            got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt),
-                                                  "kvreel": kvreel, "decode": decode, "segment": a.segment,
-                                                  "blocks": a.blocks, "chunk": a.chunk, "dtype": a.dtype,
-                                                  "settings": chosen},
-                                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                        **({"KVREEL_RETRIEVAL": "resv",
-                                            "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(largest)} if kvreel else {})}, timeout=3600)
-            if "error" in got:
-                raise RuntimeError(f"{label} at {n}: {got['error']}")
-            by = collections.defaultdict(list)
-            for s in got["segments"]:
-                by[s["setting"]].append(s)
-            for name, segs in by.items():
-                row[name] = {"tpot_ms": statistics.median(s["tpot_ms"] for s in segs), "segments": segs}
-                for key in ("working_set_ms_per_step", "hold_ms_per_step"):
-                    if key in segs[0]:
-                        row[name][key] = statistics.median(s[key] for s in segs)
-        full = row["full attention"]["tpot_ms"]
-        for name in chosen:
-            row[name]["tpot_over_full_attention"] = row[name]["tpot_ms"] / full
+        runs = collections.defaultdict(list)          # name -> per run: its segments' median and the segments
+        for _ in range(a.runs):
+            for label, kvreel in (("full attention", False), ("kvreel", True)):
+                got = engine_in_subprocess(__file__, {"model": a.model, "tokens": n, "prompt": str(prompt),
+                                                      "kvreel": kvreel, "decode": decode, "segment": a.segment,
+                                                      "blocks": a.blocks, "chunk": a.chunk, "dtype": a.dtype,
+                                                      "settings": chosen},
+                                           {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                            **({"KVREEL_RETRIEVAL": "resv",
+                                                "KVREEL_RETRIEVAL_BUDGET_TOKENS": str(largest)} if kvreel else {})},
+                                           timeout=3600)
+                if "error" in got:
+                    raise RuntimeError(f"{label} at {n}: {got['error']}")
+                by = collections.defaultdict(list)
+                for seg in got["segments"]:
+                    by[seg["setting"]].append(seg)
+                for name, segs in by.items():
+                    run = {"tpot_ms": statistics.median(seg["tpot_ms"] for seg in segs), "segments": segs}
+                    for key in ("working_set_ms_per_step", "hold_ms_per_step"):
+                        if key in segs[0]:
+                            run[key] = statistics.median(seg[key] for seg in segs)
+                    runs[name].append(run)
+        for name, each in runs.items():
+            row[name] = {"tpot_ms": statistics.median(r["tpot_ms"] for r in each),
+                         "tpot_ms_each_run": [r["tpot_ms"] for r in each], "runs": each}
+        for name in chosen:      # within each run: its engines decoded the same prompt back to back
+            ratios = [r["tpot_ms"] / f["tpot_ms"] for r, f in zip(runs[name], runs["full attention"])]
+            row[name]["tpot_over_full_attention"] = statistics.median(ratios)
+            row[name]["tpot_over_full_attention_each_run"] = ratios
         rows.append(row)
-        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "segments"})
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "runs"})
                           for k, v in row.items()}), flush=True)
+    flatness = {name: {"each_run": [rows[-1][name]["runs"][i]["tpot_ms"] / rows[0][name]["runs"][i]["tpot_ms"]
+                                    for i in range(a.runs)]} for name in ("full attention", *chosen)}
+    for f in flatness.values():
+        f["median"] = statistics.median(f["each_run"])
     settings = {"lengths": a.lengths, "segment": a.segment, "rounds": a.rounds, "blocks": a.blocks, "chunk": a.chunk,
                 "block_size": 32, "decoded_per_engine": decode, "retrieval": "resv, defaults but the switched setting",
                 "default_budget_tokens": KVReelConfig.load({}).retrieval_budget_tokens,
-                "engine_budget_tokens": largest, "dtype": a.dtype,
+                "engine_budget_tokens": largest, "dtype": a.dtype, "runs": a.runs,
                 "switched": {c: SETTINGS[c] for c in chosen},
                 "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
     name = a.name
-    path = save(name, {"model": Path(a.model).name, "settings": settings, "rows": rows})
+    path = save(name, {"model": Path(a.model).name, "settings": settings, "rows": rows,
+                       "tpot_longest_over_shortest": flatness})
     x = [r["history_tokens"] for r in rows]
     plot_lines(name, x, {k: [r[k]["tpot_ms"] for r in rows] for k in ("full attention", *chosen)},
-               "history tokens", "ms per token (median of segments)",
+               "history tokens", f"ms per token (median of {a.runs} runs' segment medians)",
                f"decoding on one session, settings alternated per {a.segment} tokens ({Path(a.model).name} "
-               f"{a.dtype}, 2-core x86 CPU, {machine()['cpu_isa']}; medians of {a.rounds} segments)")
+               f"{a.dtype}, 2-core x86 CPU, {machine()['cpu_isa']}; {a.runs} runs of {a.rounds} segments each)",
+               goals={f"goal: 1.3x {chosen[0]}'s TPOT at {x[0]} tokens": 1.3 * rows[0][chosen[0]]["tpot_ms"]})
     print(f"wrote {path}")
 
 
