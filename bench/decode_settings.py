@@ -125,7 +125,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="segments of every setting, round-robin")
     ap.add_argument("--blocks", type=int, default=128, help="vLLM's paged cache with kvreel (its history offloaded)")
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--dtype", default="auto", help="the model's dtype in vLLM (float32 where the CPU lacks bf16 products)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the model's dtype in vLLM (float32 where the CPU lacks bf16 products)")
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help="comma-separated names of SETTINGS to alternate (default: all)")
     ap.add_argument("--runs", type=int, default=1,

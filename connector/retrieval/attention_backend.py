@@ -48,7 +48,6 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         self.runtime = RetrievalRuntime.get(engine_settings(config))
         self.runtime.configure_engine(config)
         self.layer_index: int | None = None
-        self._rows_of: tuple[int, object, dict[int, str]] | None = None    # (step, its metadata, row -> request)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -73,9 +72,8 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             if index is None:       # its history could not be told apart: never read freed blocks
                 raise RuntimeError(f"kvreel: cannot tell the layer number of {layer.layer_name!r}")
             self.layer_index = index
-        # Layers of one step share its metadata. A step is told by the runtime's counter:
-        # vLLM builds a new metadata object each step, but it may sit where the last one did.
-        if self._rows_of is None or self._rows_of[0] != rt.step or self._rows_of[1] is not meta:
+        shared = self._shared(meta)
+        if "rows" not in shared:
             bs = rt.block_size
             newest = meta.block_table.gather(1, ((meta.seq_lens.long() - 1) // bs).unsqueeze(1)).flatten().tolist()
             found = {r: rt.rows[b] for r, b in enumerate(newest) if b in rt.rows and rt.rows[b] in rt.histories}
@@ -83,8 +81,18 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
             if set(found.values()) != expected:       # never let a long request read blocks vLLM freed
                 raise RuntimeError(f"kvreel: rows of long requests {sorted(expected - set(found.values()))} "
                                    "are not in this batch")
-            self._rows_of = (rt.step, meta, found)
-        return self._rows_of[2]
+            shared["rows"] = found
+        return shared["rows"]
+
+    def _shared(self, meta) -> dict:
+        """What every layer of this step works out alike from its metadata ``meta``
+        (vLLM builds one per step and KV cache group, shared by the group's
+        layers): kept in the runtime, which forgets it when the next step begins."""
+        memo = self.runtime.step_memo
+        entry = memo.get(id(meta))
+        if entry is None or entry[0] is not meta:
+            entry = memo[id(meta)] = (meta, {})
+        return entry[1]
 
     def _attend_long(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
         """Long rows attend to their working sets: a request with more query rows
@@ -155,52 +163,72 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         those results are bit-identical to it."""
         rt = self.runtime
         bs, H = rt.block_size, self.num_kv_heads
-        qsl = meta.query_start_loc.tolist()
         pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
-        seq_lens = meta.seq_lens.clone()
         width = rt.slot_pages
+        shared = self._shared(meta)
+        if "together" not in shared:       # per long row: its query rows, resident blocks, tokens after its history
+            qsl = meta.query_start_loc.tolist()
+            rows = {}
+            for r, req_id in long_rows.items():
+                seq_len, held = int(meta.seq_lens[r]), rt.histories[req_id].num_blocks
+                rows[r] = (qsl[r], qsl[r + 1], meta.block_table[r, held:-(-seq_len // bs)].long(), seq_len - held * bs)
+            shared["together"] = (qsl, rows, {})
+        qsl, rows, calls = shared["together"]
         plans = []        # (row, working set, resident blocks, tokens beyond the history)
-        exact = True
         for r, req_id in long_rows.items():
-            q = query[qsl[r]:qsl[r + 1]]
-            ws = rt.working_set(req_id, self.layer_index, self._by_kv_head(q))
-            hist = rt.histories[req_id]
-            seq_len = int(meta.seq_lens[r])
-            resident = meta.block_table[r, hist.num_blocks:-(-seq_len // bs)].long()
-            plans.append((r, ws, resident, seq_len - hist.num_blocks * bs))
-            exact &= ws.m == hist.num_blocks
+            start, end, resident, tail = rows[r]
+            plans.append((r, rt.working_set(req_id, self.layer_index, self._by_kv_head(query[start:end])),
+                          resident, tail))
         # Normally a request's resident blocks (window + steps in flight) fit its slot
         # beside the working set. A request that arrives with more of its history still
         # in vLLM's cache (a prefix-cache hit kvreel does not hold yet) is attended to
         # from a scratch buffer for this step instead: same pages, one more copy.
         fits = all(ws.m + len(resident) <= width for _, ws, resident, _ in plans)
-        scratch = None if fits else torch.empty(sum(ws.m + len(res) for _, ws, res, _ in plans), *pages.shape[1:],
-                                                dtype=pages.dtype)
-        table = torch.zeros(len(seq_lens), max(width, meta.block_table.shape[1],
-                                               scratch.shape[0] if scratch is not None else 0),
-                            dtype=meta.block_table.dtype)
-        at = 0
-        for r, ws, resident, tail in plans:
-            m, n = ws.m, len(resident)
-            if scratch is None:
-                torch.index_select(pages, 0, resident, out=ws.buffer[m:m + n])
-                start = ws.slot * width
-            else:
-                scratch[at:at + m] = ws.buffer[:m]
-                torch.index_select(pages, 0, resident, out=scratch[at + m:at + m + n])
-                start, at = at, at + m + n
-            seq_lens[r] = m * bs + tail
-            table[r, :m + n] = torch.arange(start, start + m + n, dtype=table.dtype)
-        if not exact:                     # no bit-identity to keep: the stand-in rows shrink to their queries
-            for r in set(range(len(seq_lens))) - set(long_rows):
-                seq_lens[r] = qsl[r + 1] - qsl[r]
-        sub = self._metadata(layer, meta, query, meta.query_start_loc, seq_lens, table)
-        buffer = rt.buffer(self.layer_index) if scratch is None else scratch   # taken last: a new slot may grow it
-        out = output if len(long_rows) == len(seq_lens) else torch.empty_like(output)
+        if fits:
+            for _, ws, resident, _ in plans:
+                torch.index_select(pages, 0, resident, out=ws.buffer[ws.m:ws.m + len(resident)])
+            sizes = tuple(ws.m for _, ws, _, _ in plans)
+            if sizes not in calls:          # the layers that keep as many blocks share the kernel's metadata
+                calls[sizes] = self._together_metadata(layer, query, meta, qsl, long_rows, [
+                    (r, ws.m, ws.slot * width, len(resident), tail) for r, ws, resident, tail in plans])
+            sub, buffer = calls[sizes], rt.buffer(self.layer_index)   # taken last: a new slot may grow it
+        else:
+            buffer = torch.empty(sum(ws.m + len(res) for _, ws, res, _ in plans), *pages.shape[1:], dtype=pages.dtype)
+            at, placed = 0, []
+            for r, ws, resident, tail in plans:
+                m, n = ws.m, len(resident)
+                buffer[at:at + m] = ws.buffer[:m]
+                torch.index_select(pages, 0, resident, out=buffer[at + m:at + m + n])
+                placed.append((r, m, at, n, tail))
+                at += m + n
+            sub = self._together_metadata(layer, query, meta, qsl, long_rows, placed)
+        out = output if len(long_rows) == len(meta.seq_lens) else torch.empty_like(output)
         super().forward(layer, query, None, None, buffer.view(buffer.shape[0], H, bs, -1), sub, out)
         if out is not output:
             for r in long_rows:
                 output[qsl[r]:qsl[r + 1]] = out[qsl[r]:qsl[r + 1]]
+
+    def _together_metadata(self, layer, query, meta, qsl: list[int], long_rows: dict[int, str],
+                           placed: list[tuple[int, int, int, int, int]]):
+        """The kernel's metadata for ``_attend_together``: each long row ``r`` attends
+        to ``m`` working-set pages then ``n`` resident ones, from page ``start`` of
+        the buffer, and ``tail`` tokens of its own after the history (``placed``:
+        ``(r, m, start, n, tail)``); the other rows keep vLLM's lengths while every
+        history block is attended to (bit-identity), else just their queries."""
+        rt = self.runtime
+        bs = rt.block_size
+        seq_lens = meta.seq_lens.clone()
+        width = max(rt.slot_pages, meta.block_table.shape[1], *(m + n for _, m, _, n, _ in placed))
+        table = torch.zeros(len(seq_lens), width, dtype=meta.block_table.dtype)
+        exact = True
+        for r, m, start, n, tail in placed:
+            seq_lens[r] = m * bs + tail
+            table[r, :m + n] = torch.arange(start, start + m + n, dtype=table.dtype)
+            exact &= m == rt.histories[long_rows[r]].num_blocks
+        if not exact:                     # no bit-identity to keep: the stand-in rows shrink to their queries
+            for r in set(range(len(seq_lens))) - set(long_rows):
+                seq_lens[r] = qsl[r + 1] - qsl[r]
+        return self._metadata(layer, meta, query, meta.query_start_loc, seq_lens, table)
 
     def _by_kv_head(self, q: torch.Tensor) -> torch.Tensor:
         """Query rows ``[R, heads, D]`` as ``[kv heads, R x heads per kv head, D]``: what selection scores."""

@@ -90,7 +90,7 @@ class RetrievalRuntime:
         self.cfg = cfg
         self.histories: dict[str, RequestHistory] = {}
         self.rows: dict[int, str] = {}            # this step: block id of a row's newest token -> request
-        self.step = 0                             # steps begun: tells one step's batch from the next
+        self.step_memo: dict[int, tuple[object, dict]] = {}     # what a step's layers share (the backend's)
         self.working: dict[tuple[str, int], WorkingSet] = {}
         self.buffers: dict[int, torch.Tensor] = {}     # layer -> [slots * slot_pages, H, 2 bs, D]
         self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
@@ -137,7 +137,7 @@ class RetrievalRuntime:
         for req_id in dropped:
             self.drop(req_id)
         self.rows = rows
-        self.step += 1
+        self.step_memo = {}
 
     @property
     def slot_pages(self) -> int:
@@ -244,9 +244,8 @@ class RetrievalRuntime:
         ws = self.working.get((req_id, layer))
         if ws is None:
             slot = self._slot(req_id)
-            ws = self.working[(req_id, layer)] = WorkingSet(
-                self._slot_view(layer, slot), slot,
-                torch.full((self.heads, self.budget_pages * self.block_size), -1, dtype=torch.int64))
+            ws = self.working[(req_id, layer)] = WorkingSet(self._slot_view(layer, slot), slot, self.heads,
+                                                             self.budget_pages * self.block_size)
         if self.exact_for(hist):
             ws.hold_in_order(hist.layers[layer])
             self.count("retrieval_steps", label="exact")
@@ -288,9 +287,10 @@ class RetrievalRuntime:
         return clustered and client is None
 
     def _count_choice(self, hist: RequestHistory, dre_down: bool, kept_blocks: int) -> None:
-        self.count("retrieval_steps", label="dre_down" if dre_down else "selected")
-        self.count("retrieval_history_blocks", hist.num_blocks)
-        self.count("retrieval_kept_blocks", kept_blocks)
+        with self._stats_lock:            # once per layer-step: one lock for the three
+            self.stats.add("retrieval_steps", label="dre_down" if dre_down else "selected")
+            self.stats.add("retrieval_history_blocks", hist.num_blocks)
+            self.stats.add("retrieval_kept_blocks", kept_blocks)
 
     def memory(self) -> dict[str, int]:
         """Bytes held in this worker, by part: the long requests' histories (their

@@ -7,22 +7,35 @@ history blocks as page copies, chosen tokens as page runs in vLLM's packing
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kvreel.connector.retrieval.history import LayerHistory, block_tokens
 
 
-@dataclasses.dataclass
 class WorkingSet:
     """``m`` pages of history tokens (the sink block's among them), then room for
     the request's resident blocks. ``held`` names the history token at each
     page position, per head (-1: none)."""
-    buffer: torch.Tensor                  # the slot's pages [pages, H, 2 bs, D] (a view of the layer's buffer)
-    slot: int
-    held: torch.Tensor                    # [H, budget pages * bs] token ids
-    m: int = 0
+
+    def __init__(self, buffer: torch.Tensor, slot: int, heads: int, positions: int):
+        self.buffer = buffer              # the slot's pages [pages, H, 2 bs, D] (a view of the layer's buffer)
+        self.slot = slot
+        self.m = 0
+        self._held = torch.full((heads, positions), -1, dtype=torch.int64)
+        self._blocks: tuple[torch.Tensor, int] | None = None     # (blocks [H, m], bs) not yet written to _held
+        self._head_rows = torch.arange(heads).unsqueeze(1)
+
+    @property
+    def held(self) -> torch.Tensor:
+        """``[H, budget pages x bs]`` token ids (-1: none). A decoding step's choice of
+        blocks is noted as blocks and spelled out in tokens only when read (Mosaic's
+        deferred splits, tests): most steps never read it."""
+        if self._blocks is not None:
+            blocks, bs = self._blocks
+            self._blocks = None
+            self._held[:, :blocks.shape[1] * bs] = block_tokens(blocks, bs)
+            self._held[:, blocks.shape[1] * bs:] = -1
+        return self._held
 
     def hold_in_order(self, lh: LayerHistory) -> None:
         """Every history block in order, block b at page b (as vLLM's own cache
@@ -41,17 +54,15 @@ class WorkingSet:
         in that order: a head's share of a page is one contiguous run, so the
         whole choice is one row copy out of the history's pages."""
         H, m = blocks.shape
-        rows = (blocks * H + torch.arange(H).unsqueeze(1)).T.flatten()          # [m, H] order
+        rows = blocks.mul(H).add_(self._head_rows).T.flatten()                      # [m, H] order
         width = self.buffer[0, 0].numel()
         torch.index_select(lh.pages.view(-1, width), 0, rows, out=self.buffer.view(-1, width)[:m * H])
         self._note(blocks, lh.block_size)
 
     def _note(self, blocks: torch.Tensor, bs: int) -> None:
         """The pages now hold ``blocks`` ``[H, m]``, whole."""
-        m = blocks.shape[1]
-        self.held[:, :m * bs] = block_tokens(blocks, bs)
-        self.held[:, m * bs:] = -1
-        self.m = m
+        self._blocks = (blocks, bs)
+        self.m = blocks.shape[1]
 
     def hold(self, lh: LayerHistory, want: torch.Tensor) -> None:
         """The tokens ``want`` ``[H, N]`` (N a whole number of pages) in the first
@@ -62,8 +73,9 @@ class WorkingSet:
         unrelated query changes; served decoding, where few change, timed alike)."""
         n = want.shape[1]
         write_history_pages(self.buffer, lh, want)
-        self.held[:, :n] = want
-        self.held[:, n:] = -1
+        self._blocks = None
+        self._held[:, :n] = want
+        self._held[:, n:] = -1
         self.m = n // lh.block_size
 
 
