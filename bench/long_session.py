@@ -59,7 +59,7 @@ def engine_main(args: dict) -> None:
     try:
         llm = LLM(args["model"], enforce_eager=True, block_size=32, max_model_len=args["max_model_len"],
                   max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=4, seed=0,
-                  disable_log_stats=False, **kw)
+                  disable_log_stats=False, dtype=args.get("dtype", "auto"), **kw)
     except Exception as e:  # noqa: BLE001 — a refused configuration is a result
         report({"refused": f"{type(e).__name__}: {str(e)[-600:]}"})
         return
@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs of every engine, round-robin (medians reported)")
     ap.add_argument("--method", default="resv")
+    ap.add_argument("--dtype", default="auto",
+                    help="the model's dtype in vLLM (float32 where the CPU lacks bf16 products)")
     ap.add_argument("--env", default="", help="more KVREEL_* settings for the retrieval engine, NAME=VALUE,...")
     ap.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="another retrieval engine with these settings beside the first (repeatable)")
@@ -169,6 +171,7 @@ def main() -> None:
     (work / "prompts.json").write_text(json.dumps(prompts))
     longest = max(lengths)
     common = {"model": a.model, "prompts": str(work / "prompts.json"), "chunk": a.chunk, "decode": a.decode,
+              "dtype": a.dtype,
               "max_model_len": longest + a.decode + 64,
               "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
     extra = _settings(a.env)
@@ -232,7 +235,7 @@ def main() -> None:
     if short_on and short_off:
         summary["short_request_tpot_retrieval_on_over_off"] = short_on["tpot_ms"] / short_off["tpot_ms"]
     settings = {k: getattr(a, k) for k in ("lengths", "short", "blocks", "chunk", "decode", "repeats", "method",
-                                           "env", "compare_env")}
+                                           "dtype", "env", "compare_env")}
     settings["kvreel"] = {k: getattr(defaults, k) for k in vars(defaults) if k.startswith("retrieval")}
     settings["dre_pinning"] = ("none: the DRE service, when a history needs it, shares the engine's cores "
                                "(started by the worker with one torch thread at nice 10)")
