@@ -22,6 +22,9 @@ the choice and its write) and in the write alone (``WorkingSet.hold`` or
 ``hold_blocks``). vLLM runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the setting can be switched in the
 worker between segments; every engine alike, with the equal CPU split.
+With ``--runs N`` every engine of every length runs N times (a new prefill
+each), and the JSON holds every run, the median over runs, and per run TPOT at
+the longest history over TPOT at the shortest (the flatness goal's ratio).
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ def main() -> None:
     corpus = tok(python_source_corpus(8 * max(lengths)))["input_ids"]
     prompt = Path(tempfile.mkdtemp(prefix="kvreel-decode-settings-")) / "prompt.json"
     decode = a.segment * a.rounds * len(chosen)
+    # the engine starts with the largest budget: its working-set slots are sized by it at start-up
     largest = max(SETTINGS[c].get("retrieval_budget_tokens", 0) for c in chosen)
     rows = []
     for n in lengths:
