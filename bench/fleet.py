@@ -121,10 +121,51 @@ class Fleet:
         stop_all(self.cluster.values())
 
 
-def run_once(name: str, workload: list[str], a, work: Path) -> dict:
+def warm_prompts(a) -> list[str]:
+    """``prefix_repetition``'s prefixes, each once, with a suffix of its own: what a
+    fleet that served these prefixes before the measured requests has seen.
+    Each prefix's text is its first request's prompt cut after ``--prefix-len``
+    tokens (the dataset keeps its prefix tokens to itself); requests share a
+    prefix where their first half-prefix of tokens is equal, as in first_uses."""
+    import numpy as np
+    from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+    tok = get_tokenizer(a.model)
+    reqs = PrefixRepetitionRandomDataset(random_seed=0).sample(
+        tok, num_requests=a.num_prompts, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
+        num_prefixes=a.prefixes, output_len=a.output_len)
+    rng = np.random.default_rng(1)
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in reqs:
+        ids = tok.encode(r.prompt, add_special_tokens=False)
+        if tuple(ids[:a.prefix_len // 2]) not in seen:
+            seen.add(tuple(ids[:a.prefix_len // 2]))
+            out.append(tok.decode(ids[:a.prefix_len]) + tok.decode(rng.integers(0, tok.vocab_size, a.suffix_len).tolist()))
+    return out
+
+
+def send_completions(base: str, model: str, prompts: list[str], concurrency: int = 4) -> None:
+    """Each prompt through ``base``'s ``/v1/completions``, one token each, at most ``concurrency`` in flight."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str) -> None:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=600).read()
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, prompts))
+
+
+def run_once(name: str, workload: list[str], a, work: Path, warm: list[str] | None = None) -> dict:
+    """One fleet, one run of ``workload``; ``warm`` prompts are served first and not measured."""
     kvreel, policy = CONFIGS[name]
     fleet = Fleet(kvreel, policy, a, work)
     try:
+        if warm:
+            send_completions(fleet.router, a.model, warm)
         before = fleet.counters()
         got = bench_serve(fleet.router, a.model, workload, work / "result.json", work / "client.log", served=a.model,
                           detailed=a.detailed)
@@ -239,6 +280,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--detailed", action="store_true",
                     help="keep every request's TTFT; on prefix_repetition, tell first uses of a prefix from reuses")
+    ap.add_argument("--warm", action="store_true",
+                    help="prefix_repetition on a warm fleet: every prefix served once (another suffix) before "
+                         "the measured requests, in every configuration")
     ap.add_argument("--name", default="fleet")
     ap.add_argument("--reanalyze", type=Path, help="a saved --detailed JSON: tell first uses apart again, redraw")
     a = ap.parse_args()
@@ -254,8 +298,9 @@ def main() -> None:
         return
     with scratch("kvreel-fleet-") as work:
         all_workloads, turns = build_workloads(a, work)
+        warm = {"prefix_repetition": warm_prompts(a)} if a.warm else {}
         results, failures = run_rounds(a.runs, a.workloads.split(","), a.configs.split(","), work,
-                                       lambda c, w, where: run_once(c, all_workloads[w], a, where))
+                                       lambda c, w, where: run_once(c, all_workloads[w], a, where, warm.get(w)))
     ratios = {}
     for w, by in results.items():
         med = {c: v["median"]["request_throughput"]["median"] for c, v in by.items()}
@@ -269,6 +314,8 @@ def main() -> None:
                         "router": "vllm-router 0.1.17; kv_aware fed by vLLM's ZMQ KV events through a loopback relay",
                         "client": "vllm bench serve (vLLM's CLI) against the router, request rate inf, max "
                                   "concurrency 4, seed 0, ignore_eos", "runs": a.runs, "PYTHONHASHSEED": 0,
+                        "warm": "each prefix served once (its own suffix, 1 token) before the measured requests, "
+                                "counters and timings taken after" if a.warm else False,
                         **workload_settings(a, turns, cache_tokens)},
            "results": results, "throughput_ratios_of_medians": ratios, "failures": failures}
     detailed = a.detailed and "prefix_repetition" in results
