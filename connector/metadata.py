@@ -91,13 +91,15 @@ class KVReelMetadata(KVConnectorMetadata):
 class KVReelWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler: chunks that must be forgotten, writes that did not
     land and tiers that went off or came back (per tier), prefetches that
-    landed (counted per worker: each holds its own shard)."""
+    landed (counted per worker: each holds its own shard), and the bytes its
+    long requests' histories take where that changed (the most any worker holds)."""
     bad_keys: set[bytes] = field(default_factory=set)          # failed verification
     failed_writes: dict[Tier, set[bytes]] = field(default_factory=dict)
     tiers_off: dict[Tier, str] = field(default_factory=dict)   # why
     tiers_back: set[Tier] = field(default_factory=set)
     prefetched: dict[bytes, int] = field(default_factory=dict)
     prefetch_failed: set[bytes] = field(default_factory=set)
+    history_bytes: int | None = None
 
     def aggregate(self, other: "KVReelWorkerMeta") -> "KVReelWorkerMeta":
         landed = dict(self.prefetched)
@@ -105,10 +107,11 @@ class KVReelWorkerMeta(KVConnectorWorkerMetadata):
             landed[key] = landed.get(key, 0) + n
         failed = {t: self.failed_writes.get(t, set()) | other.failed_writes.get(t, set())
                   for t in {*self.failed_writes, *other.failed_writes}}
+        reported = [n for n in (self.history_bytes, other.history_bytes) if n is not None]
         return KVReelWorkerMeta(self.bad_keys | other.bad_keys, failed, {**other.tiers_off, **self.tiers_off},
                                 self.tiers_back | other.tiers_back, landed,
-                                self.prefetch_failed | other.prefetch_failed)
+                                self.prefetch_failed | other.prefetch_failed, max(reported, default=None))
 
     def is_empty(self) -> bool:
         return not (self.bad_keys or self.failed_writes or self.tiers_off or self.tiers_back or self.prefetched
-                    or self.prefetch_failed)
+                    or self.prefetch_failed or self.history_bytes is not None)

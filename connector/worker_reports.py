@@ -28,6 +28,8 @@ class WorkerReports:
         self._reported_bad: set[bytes] = set()
         self._prefetched: dict[bytes, int] = {}
         self._prefetch_failed: set[bytes] = set()
+        self._history_bytes: int | None = None      # to tell the scheduler
+        self._history_told = 0
 
     def count(self, name: str, value: float = 1, label: str | None = None) -> None:
         with self.lock:
@@ -88,6 +90,12 @@ class WorkerReports:
             self._failed_requests -= failed
         return failed
 
+    def histories_take(self, nbytes: int) -> None:
+        """What the long requests' histories take now: told once where it changed."""
+        with self.lock:
+            if nbytes != self._history_told:
+                self._history_bytes = self._history_told = nbytes
+
     def take_load_errors(self) -> set[int]:
         with self.lock:
             errors, self._load_errors = self._load_errors, set()
@@ -110,6 +118,7 @@ class WorkerReports:
             meta.bad_keys, self._bad_keys = self._bad_keys, set()
             meta.prefetched, self._prefetched = self._prefetched, {}
             meta.prefetch_failed, self._prefetch_failed = self._prefetch_failed, set()
+            meta.history_bytes, self._history_bytes = self._history_bytes, None
         return None if meta.is_empty() else meta
 
     def take_stats(self, tiers: dict[Tier, ChunkTier]) -> KVReelStats | None:

@@ -222,6 +222,8 @@ class KVReelWorker:
         self.every_tier[tier.kind] = self.tiers[tier.kind] = tier
 
     def take_worker_meta(self) -> KVReelWorkerMeta | None:
+        if self.retrieval is not None:
+            self.reports.histories_take(self.retrieval.reserved_bytes())
         meta = self.reports.take_meta(self.every_tier)
         for kind in meta.tiers_off if meta else ():
             self.tiers.pop(kind, None)

@@ -345,6 +345,41 @@ def test_histories_are_charged_to_the_host_budget_and_push_chunks_to_disk(tmp_pa
     assert sched.host.used == 1024
 
 
+def test_the_host_budget_is_charged_what_the_workers_say_histories_take(tmp_path):
+    """The planned blocks' bytes leave out the room a history grows into and its
+    clusters' key sums: the workers' report counts them, and is charged where it
+    is more; the worker reports a change once."""
+    from scheduler_stand_ins import worker_said
+
+    from kvreel.connector.config import KVReelConfig
+    from kvreel.connector.metadata import KVReelWorkerMeta
+    from kvreel.connector.retrieval.history import RequestHistory
+    from kvreel.connector.scheduler_side import KVReelScheduler
+    from kvreel.connector.worker_reports import WorkerReports
+    cfg = KVReelConfig.load(env={"KVREEL_RETRIEVAL": "resv", "KVREEL_CPU_BYTES": "1MiB", "KVREEL_CHUNK_TOKENS": "32"})
+    sched = KVReelScheduler(cfg, "model", block_size=32, bytes_per_block=1024)
+    sched.history.planned["long"] = 5
+    sched._account_histories()
+    assert sched.host.used == 5 * 1024                    # no report yet: the planned blocks
+    worker_said(sched, history_bytes=9000)
+    sched._account_histories()
+    assert sched.host.used == 9000
+    worker_said(sched, history_bytes=100)                 # below the planned blocks' bytes: those
+    sched._account_histories()
+    assert sched.host.used == 5 * 1024
+    merged = KVReelWorkerMeta(history_bytes=7).aggregate(KVReelWorkerMeta()).aggregate(KVReelWorkerMeta(history_bytes=9))
+    assert merged.history_bytes == 9 and not merged.is_empty() and KVReelWorkerMeta().is_empty()
+
+    reports = WorkerReports()                             # the worker's side of it
+    assert reports.take_meta({}) is None
+    hist = RequestHistory(2, H, BS, D, torch.bfloat16, packing())
+    hist.layers[0].append(pages_of(torch.randn(4 * BS, H, D).bfloat16(), torch.randn(4 * BS, H, D).bfloat16()), 0)
+    reports.histories_take(hist.reserved_bytes)
+    assert reports.take_meta({}).history_bytes == hist.reserved_bytes > 4 * hist.layers[0].pages[0].nbytes
+    reports.histories_take(hist.reserved_bytes)
+    assert reports.take_meta({}) is None                  # unchanged: not said again
+
+
 def test_a_long_prefix_is_not_loaded_from_the_remote_tier_into_vllms_cache(tmp_path):
     """Remote blocks outside a long request's window would land in vLLM's cache
     (histories load from the local tiers): one such request could fill the cache

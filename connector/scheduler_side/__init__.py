@@ -61,6 +61,7 @@ class KVReelScheduler:
             from kvreel.connector.retrieval.history_plan import HistoryPlanner
             self.history = HistoryPlanner(block_size, cfg.retrieval_window, cfg.retrieval_min_tokens)
         self._history_bytes = 0
+        self._history_reported = 0                  # what the workers last said their histories take
         self._warned_history_over_host = False
         if self.workflows is not None:
             self.prefetch = Prefetcher(cfg, self.store, self.workflows, block_size, workers, self.remote is not None)
@@ -158,10 +159,13 @@ class KVReelScheduler:
         tier: charge them to its byte budget, so a growing session pushes the
         least recently used chunks out of host memory (their disk copies stay)
         and new chunks go to the disk tier only. A live history is never dropped:
-        past the budget kvreel says so once and holds it anyway."""
+        past the budget kvreel says so once and holds it anyway. The charge is
+        what the planned blocks hold, or what the workers last reported their
+        histories take where that is more (the room reserved to grow into and
+        the clusters' key sums, which only the worker sees)."""
         if self.history is None or self.cfg.cpu_bytes <= 0:
             return
-        want = sum(self.history.planned.values()) * self.history_bytes_per_block
+        want = max(sum(self.history.planned.values()) * self.history_bytes_per_block, self._history_reported)
         grow = want - self._history_bytes
         if grow > 0:
             victims = self.host.victims_for(grow)
@@ -203,6 +207,8 @@ class KVReelScheduler:
                         self.store.drop_copy(chunk, tier)
             for key in meta.bad_keys:
                 self.store.drop(key)
+            if meta.history_bytes is not None:
+                self._history_reported = meta.history_bytes
             if self.prefetch is not None:
                 for key, n in meta.prefetched.items():
                     self.prefetch.landed(key, n)
