@@ -1,6 +1,7 @@
 """The remote tier on a Redis Cluster: six real redis-server nodes on loopback
 (3 masters, 3 replicas). A chunk's forms and manifest share one slot, block
-pointers spread over the nodes and are read in one pass, and a killed master
+pointers spread over the nodes and are read in one pass, a chunk whose slot
+moves to another master (resharding) is read throughout, and a killed master
 costs bounded failures until its replica is promoted and serves the chunks."""
 
 from __future__ import annotations
@@ -108,3 +109,43 @@ def test_doctor_shows_the_cluster_nodes_and_their_roles(redis_cluster):
     row = next(line for line in out.stdout.splitlines() if line.startswith("remote tier"))
     assert "reachable; cluster nodes:" in row and ":***@" in row and "s3cret" not in out.stdout
     assert row.count(" master") == 3 and row.count(" slave") == 3
+
+
+def test_a_chunks_slot_moving_between_masters_is_read_throughout(redis_cluster):
+    """Resharding as ``redis-cli --cluster reshard`` does it, one step at a time: the
+    chunk's slot is marked migrating, its keys move one by one (the client follows
+    ASK while they are split over two masters), then the slot is given to the new
+    master (MOVED for a client with the old map). Every read is the stored payload,
+    and a write after the move lands on the new master."""
+    tier = RemoteTier(url(redis_cluster), StoredForms("model-x", kinds=("raw", "zstd")), TIMEOUT_S, 16)
+    try:
+        [(key, _, payload)] = upload(tier, 1)
+        client = tier.store._client
+        slot = client.keyslot(tier.keys.chunk(key))
+        src_port = client.get_node_from_key(tier.keys.chunk(key)).port
+        nodes = {p: redis.Redis(port=p, password="s3cret") for p in redis_cluster}
+        roles = {p: r.execute_command("ROLE")[0] for p, r in nodes.items()}
+        dst_port = next(p for p, role in roles.items() if role == b"master" and p != src_port)
+        src, dst = nodes[src_port], nodes[dst_port]
+        src_id, dst_id = src.execute_command("CLUSTER MYID").decode(), dst.execute_command("CLUSTER MYID").decode()
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+        assert len(keys) >= 3                                     # manifest and two forms
+        for moved in range(len(keys) + 1):
+            for form in ("raw", "zstd"):
+                assert torch.equal(tier.get(key, form), payload), (moved, form)
+            if moved < len(keys):
+                src.execute_command("MIGRATE", "127.0.0.1", dst_port, "", 0, 5000, "AUTH", "s3cret",
+                                    "KEYS", keys[moved])
+        assert dst.info("commandstats")["cmdstat_asking"]["calls"] >= 2      # the reads followed ASK
+        for r in (nodes[p] for p, role in roles.items() if role == b"master"):
+            r.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        assert src.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+        assert dst.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == len(keys)
+        assert torch.equal(tier.get(key, "raw"), payload)        # MOVED: the client learns the new map
+        assert client.get_node_from_key(tier.keys.chunk(key)).port == dst_port
+        tier.drop_form(key, "zstd")                               # a write goes to the new master too
+        assert dst.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == len(keys) - 1
+    finally:
+        tier.close()
