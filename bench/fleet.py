@@ -232,15 +232,15 @@ def plot_ttft_by_use(name: str, saved: dict) -> None:
     by = saved["results"]["prefix_repetition"]
     first = saved["first_uses"]
     warm = bool(saved["settings"].get("warm"))
-    cold_label = "first measured use (served once before)" if warm else "first use of a prefix"
+    first_label = "first measured use (served once before)" if warm else "first use of a prefix"
     fig, ax = plt.subplots(figsize=(9, 4.4))
     for x, (c, v) in enumerate(by.items()):
         for r, run in enumerate(v["runs"]):
             at = x + (r - 1) * 0.22
-            cold = [t for t, f in zip(run["ttfts_ms"], first) if f]
-            warm = [t for t, f in zip(run["ttfts_ms"], first) if not f]
-            ax.plot([at] * len(warm), warm, ".", color="tab:blue", alpha=0.5, label="reuse" if x == r == 0 else None)
-            ax.plot([at] * len(cold), cold, "x", color="tab:red", label=cold_label if x == r == 0 else None)
+            firsts = [t for t, f in zip(run["ttfts_ms"], first) if f]
+            reuses = [t for t, f in zip(run["ttfts_ms"], first) if not f]
+            ax.plot([at] * len(reuses), reuses, ".", color="tab:blue", alpha=0.5, label="reuse" if x == r == 0 else None)
+            ax.plot([at] * len(firsts), firsts, "x", color="tab:red", label=first_label if x == r == 0 else None)
             p99 = saved["ttft_by_use"][c]["runs"][r]["all_p99_ms"]
             ax.plot([at - 0.09, at + 0.09], [p99, p99], "k-", lw=1.5, label="run's p99" if x == r == 0 else None)
     ax.set_xticks(range(len(by)), list(by), fontsize=8)
