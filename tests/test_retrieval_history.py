@@ -78,9 +78,12 @@ def test_the_host_budget_is_charged_what_a_history_block_holds():
     assert lh.reserved_bytes == 16 * per_block - H * BS * 8         # the sink block's tokens carry no label
     if scoring_dtype(torch.bfloat16) == torch.float32:   # keys held in float32: twice what the pages take
         assert per_block > 2 * pages[0].numel() * pages.element_size()
+    labels = torch.randint(0, 7, (H, 15 * BS))
+    lh.set_labels(BS, labels)
     lh.append(pages_of(k[:BS], v[:BS]), 16)               # one more: room to grow into, held or not
     assert lh.nbytes < 17 * per_block < lh.reserved_bytes
     assert lh.keys.shape[1] == 20 * BS                    # a quarter more, not twice
+    assert torch.equal(lh.labels, torch.cat([labels, torch.full((H, BS), -1)], 1))    # kept as the room grew
 
 
 def test_a_prompts_history_is_reserved_once_at_its_length():
@@ -89,6 +92,7 @@ def test_a_prompts_history_is_reserved_once_at_its_length():
     for first in range(0, 20, 4):                         # a chunk at a time, its length known
         lh.append(pages[first:first + 4], first, room=20 * BS)
         assert lh.keys.shape[1] == 20 * BS and lh.pages.shape[0] == 20 and lh.bounds.shape[1] == 20
+        assert lh.labels.shape == (H, (first + 3) * BS) and bool((lh.labels == -1).all())
     assert torch.equal(lh.pages.view(torch.int16), pages.view(torch.int16))
 
 

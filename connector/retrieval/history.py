@@ -140,12 +140,20 @@ class LayerHistory:
         self.keys = torch.empty(heads, 0, head_dim, dtype=scoring_dtype(dtype))   # [H, capacity, D], token order
         self.pages = torch.empty(0, heads, 2 * block_size, head_dim, dtype=dtype)    # [capacity blocks, ...]
         self.num_tokens = 0                                           # sink block included
-        self.labels = torch.empty(heads, 0, dtype=torch.int64)        # per token after the sink; -1: unlabelled
+        self._labels = torch.empty(heads, 0, dtype=torch.int64)       # room for ``labels``
         self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32)
         self.counts = torch.zeros(heads, 0)                           # and size
         self._index: ClusterIndex | None = None
         self._labelled_since = 0                                      # tokens labelled since it was built
         self.bounds = torch.empty(heads, 0, 2 * head_dim)   # per block: channel-wise key max, then min (float32)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """Per head, every token's cluster after the sink block ``[H, T - bs]`` (-1:
+        unlabelled); a view into room reserved with the keys', so an append writes
+        its tokens' labels rather than copying all of them (a history's appends
+        would otherwise copy O(T^2) labels)."""
+        return self._labels[:, :max(0, self.num_tokens - self.block_size)]
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +162,7 @@ class LayerHistory:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of every tensor it keeps, with the room reserved to grow into."""
-        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self.labels, self.sums, self.counts))
+        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self._labels, self.sums, self.counts))
 
     def append(self, pages: torch.Tensor, first_block: int, room: int = 0) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
@@ -170,10 +178,10 @@ class LayerHistory:
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
         self.pages[first:last] = pages
         self.bounds[:, first:last] = torch.cat([blocks.amax(1), blocks.amin(1)], -1).transpose(0, 1)
+        labelled = self.labels.shape[1]
         self.num_tokens += n
-        self.labels = torch.cat([self.labels, torch.full((self.heads, n), -1, dtype=torch.int64)], 1)
+        self._labels[:, labelled:self.num_tokens - self.block_size] = -1
         if first_block == 0:
-            self.labels = self.labels[:, self.block_size:]
             k = k[self.block_size:]
         return k.transpose(0, 1).float()
 
@@ -187,11 +195,12 @@ class LayerHistory:
             return
         bs = self.block_size
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
-        freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages)))
+        freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages, self._labels)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
-        for name, size, used in (("keys", new_cap, self.num_tokens), ("bounds", blocks, used_blocks)):
+        for name, size, used in (("keys", new_cap, self.num_tokens), ("bounds", blocks, used_blocks),
+                                 ("_labels", new_cap - bs, self.labels.shape[1])):
             old = getattr(self, name)
-            grown = torch.empty(self.heads, size, old.shape[2], dtype=old.dtype)
+            grown = torch.empty(self.heads, size, *old.shape[2:], dtype=old.dtype)
             grown[:, :used] = old[:, :used]
             setattr(self, name, grown)
         grown = torch.empty(blocks, *self.pages.shape[1:], dtype=self.pages.dtype)
