@@ -96,6 +96,25 @@ def test_a_prompts_history_is_reserved_once_at_its_length():
     assert torch.equal(lh.pages.view(torch.int16), pages.view(torch.int16))
 
 
+def test_a_requests_room_holds_its_prompt_and_answer_so_decoding_never_moves_it():
+    from kvreel.connector.retrieval.history_plan import HistoryPlanner, room_tokens
+    assert (room_tokens(4000, 100), room_tokens(4000, 10 ** 6), room_tokens(4000, 0)) == (4100, 5000, 4000)
+    planner = HistoryPlanner(BS, window_tokens=64, min_tokens=256)
+    planner.plan("r", 512, list(range(17)), prompt_tokens=600, max_tokens=90)
+    [op] = planner.take_step().appends
+    assert (op.first_block, op.room_blocks) == (0, (690 - 64) // BS)
+    lh, k, v = history(blocks=20)
+    pages = pages_of(k, v)
+    lh.append(pages[:16], 0, room=19 * BS)                # the prompt's blocks; room for three answer blocks
+    held = [t.data_ptr() for t in (lh.keys, lh.pages, lh.bounds, lh._labels)]
+    for b in range(16, 19):                               # decoding: a block at a time, within the room
+        lh.append(pages[b:b + 1], b, room=19 * BS)
+        assert [t.data_ptr() for t in (lh.keys, lh.pages, lh.bounds, lh._labels)] == held
+    lh.append(pages[19:], 19, room=19 * BS)               # past it: the room grows (a copy)
+    assert lh.keys.data_ptr() != held[0]
+    assert torch.equal(lh.pages[:20].view(torch.int16), pages.view(torch.int16))
+
+
 def test_clusters_follow_the_labels_and_rank_the_candidates():
     """Centroids are the labelled keys' means, also after every label changed (a
     Mosaic split); candidates are the tokens of the clusters the rows rank best,

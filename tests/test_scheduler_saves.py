@@ -22,7 +22,7 @@ def make_scheduler(tmp_path, **env):
 
 def request(req_id: str, prefix: int, blocks: int):
     return SimpleNamespace(request_id=req_id, block_hashes=[bytes([prefix, j]) * 16 for j in range(blocks)],
-                           num_tokens=blocks * BS + 5, num_prompt_tokens=blocks * BS + 5)
+                           num_tokens=blocks * BS + 5, num_prompt_tokens=blocks * BS + 5, max_tokens=16)
 
 
 def stored_blocks(meta) -> list[list[int]]:

@@ -18,14 +18,25 @@ from dataclasses import dataclass, field
 from kvreel.connector.retrieval.offload import LEDGER
 
 
+def room_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    """The tokens a request's history room is reserved for when its first blocks
+    arrive: the prompt and its answer, the answer counted up to a quarter of the
+    prompt. A history that outgrows its room copies every layer's keys and pages
+    in one decoding step (a few hundred ms at 16 K tokens on a 2-core CPU), so
+    an answer that fits never pays it; a quarter is what growing would have
+    reserved anyway (``LayerHistory._reserve``), and bounds the room a request
+    with a large default ``max_tokens`` is given."""
+    return prompt_tokens + min(max(max_tokens, 0), prompt_tokens // 4)
+
+
 @dataclass
 class HistoryAppend:
     """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history,
-    which holds ``prompt_blocks`` once the prompt is in (the worker reserves them)."""
+    which is expected to reach ``room_blocks`` (the worker reserves them at once)."""
     req_id: str
     first_block: int
     block_ids: list[int]
-    prompt_blocks: int = 0
+    room_blocks: int = 0
 
 
 @dataclass
@@ -68,9 +79,12 @@ class HistoryPlanner:
             self.planned[req_id] = skip
 
     # -- per step ----------------------------------------------------------------------------
-    def plan(self, req_id: str, computed_after: int, block_ids: list[int], prompt_tokens: int = 0) -> None:
-        """A scheduled request (of ``prompt_tokens``): the blocks that leave its window
-        in this step join its history."""
+    def plan(self, req_id: str, computed_after: int, block_ids: list[int], prompt_tokens: int = 0,
+             max_tokens: int = 0) -> None:
+        """A scheduled request (of ``prompt_tokens``, answering at most ``max_tokens``):
+        the blocks that leave its window in this step join its history. Its history
+        is expected to reach the prompt and the answer, the answer counted up to a
+        quarter of the prompt (``room_tokens``)."""
         have = self.planned.get(req_id, 0)
         if have:
             newest = (computed_after - 1) // self.block_size
@@ -79,7 +93,7 @@ class HistoryPlanner:
         target = min(self.window_start(computed_after), len(block_ids))
         if target > have:
             self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target]),
-                                                    self.window_start(prompt_tokens)))
+                                                    self.window_start(room_tokens(prompt_tokens, max_tokens))))
             self.planned[req_id] = target
             self._unconfirmed[req_id] = target
 

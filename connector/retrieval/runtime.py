@@ -179,15 +179,15 @@ class RetrievalRuntime:
             self.working.pop((req_id, layer), None)
             self.dre.drop(req_id, layer)
 
-    def append_history(self, req_id: str, first_block: int, block_ids: list[int], prompt_blocks: int = 0) -> None:
+    def append_history(self, req_id: str, first_block: int, block_ids: list[int], room_blocks: int = 0) -> None:
         """Blocks ``first_block...`` of a request leave its window: copy their
         pages out of the engine's cache into the history (after the step that
         computed them; vLLM frees them once the scheduler has heard back). Its
-        history will hold ``prompt_blocks`` once its prompt is in: room for them
-        is reserved at once."""
+        history is expected to reach ``room_blocks`` (its prompt and the start of
+        its answer): room for them is reserved at once."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         self.add_history(req_id, first_block, [self.caches[layer].index_select(0, ids)
-                                               for layer in range(self.num_layers)], prompt_blocks)
+                                               for layer in range(self.num_layers)], room_blocks)
 
     @torch.inference_mode()
     def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0) -> None:

@@ -31,7 +31,8 @@ class SavePlanner:
         if not st.block_ids:
             return
         if self.history is not None:
-            self.history.plan(st.request.request_id, computed_after, st.block_ids[0], st.request.num_prompt_tokens)
+            self.history.plan(st.request.request_id, computed_after, st.block_ids[0], st.request.num_prompt_tokens,
+                              st.request.max_tokens)
         hashes = st.request.block_hashes
         index = self.store.index
         full = min(computed_after // self.block_size, len(hashes), *(len(ids) for ids in st.block_ids))
