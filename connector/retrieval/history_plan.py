@@ -23,9 +23,9 @@ def room_tokens(prompt_tokens: int, max_tokens: int) -> int:
     arrive: the prompt and its answer, the answer counted up to a quarter of the
     prompt. A history that outgrows its room copies every layer's keys and pages
     in one decoding step (at 16 K tokens of a float32 model with 2 KV heads of 64,
-    24 MiB a layer), so an answer that fits never pays it; a quarter is what growing would have
-    reserved anyway (``LayerHistory._reserve``), and bounds the room a request
-    with a large default ``max_tokens`` is given."""
+    24 MiB a layer), so an answer that fits never pays it; a quarter is what
+    growing would have reserved anyway (``LayerHistory._reserve``), and bounds
+    the room a request with a large default ``max_tokens`` is given."""
     return prompt_tokens + min(max(max_tokens, 0), prompt_tokens // 4)
 
 
