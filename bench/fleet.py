@@ -125,24 +125,12 @@ def warm_prompts(a) -> list[str]:
     """``prefix_repetition``'s prefixes, each once, with a suffix of its own: what a
     fleet that served these prefixes before the measured requests has seen.
     Each prefix's text is its first request's prompt cut after ``--prefix-len``
-    tokens (the dataset keeps its prefix tokens to itself); requests share a
-    prefix where their first half-prefix of tokens is equal, as in first_uses."""
+    tokens (the dataset keeps its prefix tokens to itself)."""
     import numpy as np
-    from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
-    from vllm.tokenizers import get_tokenizer
-    tok = get_tokenizer(a.model)
-    reqs = PrefixRepetitionRandomDataset(random_seed=0).sample(
-        tok, num_requests=a.num_prompts, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
-        num_prefixes=a.prefixes, output_len=a.output_len)
+    tok, reqs = client_requests(a)
     rng = np.random.default_rng(1)
-    seen: set[tuple[int, ...]] = set()
-    out = []
-    for r in reqs:
-        ids = tok.encode(r.prompt, add_special_tokens=False)
-        if tuple(ids[:a.prefix_len // 2]) not in seen:
-            seen.add(tuple(ids[:a.prefix_len // 2]))
-            out.append(tok.decode(ids[:a.prefix_len]) + tok.decode(rng.integers(0, tok.vocab_size, a.suffix_len).tolist()))
-    return out
+    return [tok.decode(ids[:a.prefix_len]) + tok.decode(rng.integers(0, tok.vocab_size, a.suffix_len).tolist())
+            for _, ids, first in reqs if first]
 
 
 def send_completions(base: str, model: str, prompts: list[str], concurrency: int = 4) -> None:
@@ -182,25 +170,35 @@ def run_once(name: str, workload: list[str], a, work: Path, warm: list[str] | No
             "hit_rate_kvreel": d.get("vllm:external_prefix_cache_hits_total", 0.0) / queried if queried else 0.0}
 
 
-def first_uses(a) -> tuple[list[bool], list[int]]:
-    """For ``prefix_repetition``'s requests in the order ``vllm bench serve`` sends
-    them (its dataset drawn again with the same seed and tokenizer): whether each
-    is the first to carry its prefix (no engine can hold that prefix yet), and
-    each one's prompt length as the client reports it (the prompt's text
-    encoded again: to check the order against the client's)."""
+def client_requests(a) -> tuple:
+    """``prefix_repetition``'s requests in the order ``vllm bench serve`` sends them
+    (its dataset drawn again with the same seed and tokenizer): the tokenizer, and
+    per request its prompt, the prompt's token ids and whether it is the first to
+    carry its prefix (requests share a prefix where their first half-prefix of
+    tokens is equal)."""
     from vllm.benchmarks.datasets import PrefixRepetitionRandomDataset
     from vllm.tokenizers import get_tokenizer
     tok = get_tokenizer(a.model)
-    reqs = PrefixRepetitionRandomDataset(random_seed=0).sample(
+    drawn = PrefixRepetitionRandomDataset(random_seed=0).sample(
         tok, num_requests=a.num_prompts, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
         num_prefixes=a.prefixes, output_len=a.output_len)
     seen: set[tuple[int, ...]] = set()
-    first = []
-    for r in reqs:
-        prefix = tuple(tok.encode(r.prompt, add_special_tokens=False)[:a.prefix_len // 2])
-        first.append(prefix not in seen)
+    reqs = []
+    for r in drawn:
+        ids = tok.encode(r.prompt, add_special_tokens=False)
+        prefix = tuple(ids[:a.prefix_len // 2])
+        reqs.append((r.prompt, ids, prefix not in seen))
         seen.add(prefix)
-    return first, [len(tok.encode(r.prompt)) for r in reqs]
+    return tok, reqs
+
+
+def first_uses(a) -> tuple[list[bool], list[int]]:
+    """For ``prefix_repetition``'s requests in the order the client sends them:
+    whether each is the first to carry its prefix (no engine can hold that prefix
+    yet), and each one's prompt length as the client reports it (the prompt's
+    text encoded again: to check the order against the client's)."""
+    tok, reqs = client_requests(a)
+    return [first for _, _, first in reqs], [len(tok.encode(prompt)) for prompt, _, _ in reqs]
 
 
 def ttft_by_use(by: dict, first: list[bool], lens: list[int]) -> dict:
