@@ -91,7 +91,7 @@ def test_a_prompts_history_is_reserved_once_at_its_length():
     pages = pages_of(k, v)
     for first in range(0, 20, 4):                         # a chunk at a time, its length known
         lh.append(pages[first:first + 4], first, room=20 * BS)
-        assert lh.keys.shape[1] == 20 * BS and lh.pages.shape[0] == 20 and lh.bounds.shape[1] == 20
+        assert lh.keys.shape[1] == 20 * BS and lh.pages.shape[0] == 20 and lh.bounds.shape[2] == 20
         assert lh.labels.shape == (H, (first + 3) * BS) and bool((lh.labels == -1).all())
     assert torch.equal(lh.pages.view(torch.int16), pages.view(torch.int16))
 
@@ -294,14 +294,14 @@ def test_page_bounds_are_upper_bounds_and_narrow_to_the_block_a_row_looks_for():
     lh.append(pages[:7], 0)
     lh.append(pages[7:], 7)
     keys = k.transpose(0, 1).float()                                       # [H, T, D]
-    assert torch.equal(lh.bounds[:, :40, :D], keys.view(H, 40, BS, D).amax(2))
-    assert torch.equal(lh.bounds[:, :40, D:], keys.view(H, 40, BS, D).amin(2))
+    assert torch.equal(lh.bounds[:, :D, :40].transpose(1, 2), keys.view(H, 40, BS, D).amax(2))
+    assert torch.equal(lh.bounds[:, D:, :40].transpose(1, 2), keys.view(H, 40, BS, D).amin(2))
     g = torch.Generator().manual_seed(4)
     queries = torch.randn(H, 24, D, generator=g)
     queries[:, :23] = keys[:, common:common + 1] * 3                       # 23 rows want a token of block 3
     queries[:, 23] = keys[:, needle] * 3                                   # one row wants the needle
     q = queries * D ** -0.5
-    bound = torch.bmm(torch.cat([q.clamp_min(0), q.clamp_max(0)], -1), lh.bounds[:, :40].transpose(1, 2))
+    bound = torch.bmm(torch.cat([q.clamp_min(0), q.clamp_max(0)], -1), lh.bounds[:, :, :40])
     scores = torch.bmm(q, keys.transpose(1, 2)).view(H, 24, 40, BS).amax(-1)
     assert bool((bound >= scores - 1e-4).all())
     blocks = lh.best_blocks(queries, 2)
