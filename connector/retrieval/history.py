@@ -146,8 +146,8 @@ class LayerHistory:
         self._index: ClusterIndex | None = None
         self._labelled_since = 0                                      # tokens labelled since it was built
         # per block: channel-wise key max, then min (float32), channel-major [H, 2 D, capacity]: ranking
-        # the blocks (``best_blocks``) is then a product with contiguous rows, where blocks-major
-        # bounds read transposed took 1.6x the time at 64 K tokens (2 047 blocks, AVX2 core)
+        # the blocks (``best_blocks``) is then a product with contiguous rows; blocks-major bounds read
+        # transposed took 1.6x as long (2 047 blocks of 2 heads, cold caches, AVX2 core: 0.76 vs 0.47 ms)
         self.bounds = torch.empty(heads, 2 * head_dim, 0)
 
     @property
