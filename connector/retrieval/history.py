@@ -131,6 +131,15 @@ class ClusterIndex:
         return self.order[h, self.starts[h, ranked[:taken]][run] + within]
 
 
+def _grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
+    """``old`` with room for ``size`` along ``axis``, its first ``used`` there copied."""
+    shape = list(old.shape)
+    shape[axis] = size
+    grown = torch.empty(shape, dtype=old.dtype)
+    grown.narrow(axis, 0, used).copy_(old.narrow(axis, 0, used))
+    return grown
+
+
 class LayerHistory:
     """One layer's history of one request."""
 
@@ -200,17 +209,10 @@ class LayerHistory:
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
         freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages, self._labels)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
-        for name, size, used in (("keys", new_cap, self.num_tokens), ("_labels", new_cap - bs, self.labels.shape[1])):
-            old = getattr(self, name)
-            grown = torch.empty(self.heads, size, *old.shape[2:], dtype=old.dtype)
-            grown[:, :used] = old[:, :used]
-            setattr(self, name, grown)
-        grown = torch.empty(self.heads, self.bounds.shape[1], blocks)
-        grown[:, :, :used_blocks] = self.bounds[:, :, :used_blocks]
-        self.bounds = grown
-        grown = torch.empty(blocks, *self.pages.shape[1:], dtype=self.pages.dtype)
-        grown[:used_blocks] = self.pages[:used_blocks]
-        self.pages = grown
+        self._labels = _grown(self._labels, 1, new_cap - bs, self.labels.shape[1])
+        self.keys = _grown(self.keys, 1, new_cap, self.num_tokens)
+        self.bounds = _grown(self.bounds, 2, blocks, used_blocks)
+        self.pages = _grown(self.pages, 0, blocks, used_blocks)
 
     def dre_keys(self) -> torch.Tensor:
         """Every key after the sink block ``[H, T - bs, D]`` (float32): to cluster anew."""
