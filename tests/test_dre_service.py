@@ -29,18 +29,23 @@ def dre(tmp_path):
     proc.stop()
 
 
+def expected_table(keys, center=None):
+    """In process: ReSV's HC table (the service's settings above)."""
+    return cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center)
+
+
 def expected_labels(keys, center=None):
-    """In process: ReSV's HC table labels (the service's settings above)."""
-    return cluster_keys(keys, hyperplanes(keys.shape[1], 12, seed=1), 1, center).labels
+    return expected_table(keys, center).labels
 
 
 def test_service_labels_exactly_what_resv_computes_in_process(dre):
     _, client = dre
     keys = data()
     reply = client.submit("cluster", handle="s0/3", keys=keys).result(10)
-    want = expected_labels(keys)
-    assert torch.equal(reply["labels"], want.unsqueeze(0))
-    assert reply["clusters"] == int(want.max()) + 1
+    want = expected_table(keys)
+    assert torch.equal(reply["labels"], want.labels.unsqueeze(0))
+    assert reply["clusters"] == int(want.labels.max()) + 1
+    assert reply["table_bytes"] == want.nbytes == 600 * 8 + want.num_clusters * (64 * 4 + 8 + 8) + 64 * 4
 
 
 def test_heads_are_clustered_separately(dre):
@@ -193,18 +198,22 @@ def test_extended_tables_label_as_tables_of_the_whole_history(dre):
     labels = [client.submit("cluster", handle="r", keys=keys[:320])]
     for start in range(320, 608, 32):                       # a session growing block by block
         labels.append(client.submit("extend", handle="r", keys=keys[start:start + 32]))
-    want = expected_labels(keys, center=keys[:320].mean(0))    # centred as first seen
-    assert torch.equal(torch.cat([f.result(10)["labels"] for f in labels], 1)[0], want)
+    want = expected_table(keys, center=keys[:320].mean(0))    # centred as first seen
+    assert torch.equal(torch.cat([f.result(10)["labels"] for f in labels], 1)[0], want.labels)
+    assert labels[-1].result(10)["table_bytes"] == want.nbytes      # what the service holds, grown
     with pytest.raises(DREError, match="unknown handle 'nope'"):
         client.submit("extend", handle="nope", keys=keys[:32]).result(10)
     with pytest.raises(DREError, match="keys of 1 heads"):
         client.submit("extend", handle="r", keys=torch.stack([keys[:32], keys[:32]])).result(10)
 
-    client.submit("cluster", handle="m", keys=keys[:320], method="mosaic", segment=32)
-    new = client.submit("extend", handle="m", keys=keys[320:]).result(30)["labels"][0]
+    built = client.submit("cluster", handle="m", keys=keys[:320], method="mosaic", segment=32)
+    new = client.submit("extend", handle="m", keys=keys[320:]).result(30)
     session = MosaicSession.build(keys[:320], 32)
+    assert built.result(30)["table_bytes"] == session.nbytes
     session.extend(keys[320:])
-    assert torch.equal(new, session.index.owners(608)[320:])
+    assert torch.equal(new["labels"][0], session.index.owners(608)[320:])
+    # its keys, their clusters' sums and token lists: more than the keys alone, grown with them
+    assert new["table_bytes"] == session.nbytes > 608 * 64 * 4 > built.result(30)["table_bytes"]
 
 
 def test_mosaic_splits_pending_on_fetched_clusters_are_applied(dre):

@@ -352,6 +352,13 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
         time.sleep(0.05)
         runtime.dre.take_labels(runtime.histories)
     assert int(lh.counts.sum()) == H * 13 * BS
+    # the DRE's tables (a child process on this host) are charged beside the histories
+    from kvreel.connector.retrieval.resv import HASH_BITS, cluster_keys, hyperplanes
+    planes = hyperplanes(D, HASH_BITS, seed=1)
+    tables = sum(cluster_keys(k, planes, 0).nbytes for k in lh.dre_keys())
+    assert runtime.dre.table_bytes() == tables > 0
+    assert runtime.reserved_bytes() == hist.reserved_bytes + tables
+    assert runtime.memory()["dre_tables"] == tables
     narrowed = lh.candidates(q[0].float().view(H, G, D), 6 * BS)
     assert narrowed.shape == (H, 6 * BS)
     ws = _check_attends(impl, layer, cache, meta, q, "r")
@@ -361,6 +368,8 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     assert 9 * BS + 4 in ws.held[0].tolist()
     stats = runtime.take_stats().data
     assert stats["retrieval_steps|selected"] == 2 and stats["dre_tables|clustered"] == 1
+    runtime.drop("r")
+    assert runtime.dre.table_bytes() == 0 == runtime.reserved_bytes()
 
 
 def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):

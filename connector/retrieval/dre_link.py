@@ -21,7 +21,7 @@ import torch
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_client import DREClient, DREProcess
-from kvreel.connector.retrieval.dre_wire import DREError
+from kvreel.connector.retrieval.dre_wire import DREError, is_private
 from kvreel.connector.retrieval.history import LayerHistory, RequestHistory
 from kvreel.connector.retrieval.working_set import WorkingSet
 
@@ -39,6 +39,9 @@ class DRELink:
         self._started = self._restarting = False
         self._generation = 0                          # bumped per DRE (re)connection: its tables are new
         self._tables: dict[tuple[str, int], int] = {}                  # (req, layer) -> generation holding it
+        self._table_bytes: dict[tuple[str, int], int] = {}             # (req, layer) -> bytes the DRE said
+        # a DRE on this host (the worker's child, a Unix socket, loopback) takes host memory beside the histories
+        self.on_this_host = not cfg.dre_address or is_private(cfg.dre_address)
         self._labels: collections.deque = collections.deque()           # (key, history, first token, reply)
 
     def client(self) -> DREClient | None:
@@ -81,6 +84,13 @@ class DRELink:
     def holds(self, req_id: str, layer: int) -> bool:
         return self._tables.get((req_id, layer)) == self._generation
 
+    def table_bytes(self) -> int:
+        """Host memory the DRE's live tables take, as its last replies said; 0 for a
+        DRE on another host."""
+        if not self.on_this_host:
+            return 0
+        return sum(n for key, n in list(self._table_bytes.items()) if self.holds(*key))
+
     def send(self, client: DREClient, req_id: str, layer: int, lh: LayerHistory, keys: torch.Tensor,
              first_token: int, ws: WorkingSet | None) -> None:
         """Extend the DRE's table of this layer with new keys (clustering the whole
@@ -106,7 +116,9 @@ class DRELink:
                 reply = fut.result()
             except DREError:
                 self._tables.pop(key, None)         # cluster anew next time
+                self._table_bytes.pop(key, None)
                 continue
+            self._table_bytes[key] = int(reply.get("table_bytes", 0))
             hist = histories.get(key[0])
             if hist is None or hist.layers[key[1]] is not lh:
                 continue                            # the request is gone
@@ -116,6 +128,7 @@ class DRELink:
             lh.set_labels(first, labels)
 
     def drop(self, req_id: str, layer: int) -> None:
+        self._table_bytes.pop((req_id, layer), None)
         if self._tables.pop((req_id, layer), None) == self._generation and self._client is not None:
             self._client.submit("drop", handle=_handle(req_id, layer))
 

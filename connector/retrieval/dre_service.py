@@ -14,7 +14,8 @@ Requests (each answered once, in any order, matched by ``id``), one table per
 
 * ``cluster``  keys ``[heads, T, D]`` of a history and ``method`` resv (HC table)
   or mosaic (centroid index) -> the table; reply: each token's cluster
-  ``labels`` ``[heads, T]``.
+  ``labels`` ``[heads, T]``, and ``table_bytes``, what the handle's tables take
+  (as every ``extend``'s reply: the worker charges it to ``KVREEL_CPU_BYTES``).
 * ``extend``   the keys of the tokens that follow the table's history -> the
   grown table (ReSV hashes only the new tokens, Mosaic assigns them online);
   reply: their ``labels`` ``[heads, n]``. With Mosaic, ``fetched``
@@ -94,6 +95,7 @@ class DREService:
             n_tokens = first + keys.shape[1]
             self.tables[handle] = (tables, n_tokens)
             reply = {"ok": True, "clusters": sum(_num_clusters(t) for t in tables),
+                     "table_bytes": sum(t.nbytes for t in tables),
                      "labels": torch.stack([_owners(t, n_tokens)[first:] for t in tables])}
             if split:
                 reply["relabelled"] = torch.stack([_owners(t, n_tokens) for t in tables])

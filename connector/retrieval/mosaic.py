@@ -119,6 +119,14 @@ class MosaicIndex:
                 index.clusters.append(c)
         return index
 
+    @property
+    def nbytes(self) -> int:
+        """Its tensors, and its clusters' token lists: a list slot and an int object
+        a token in CPython (36 bytes; counted, not walked, as every reply asks)."""
+        tensors = [c.key_sum for c in self.clusters]
+        tensors += [t for t in (self._cents, self._visuals, self.center) if isinstance(t, torch.Tensor)]
+        return sum(t.nbytes for t in tensors) + 36 * sum(c.count for c in self.clusters)
+
     def assign(self, token: int, key: torch.Tensor, visual: int) -> int:
         """Online insertion of one new token; the cluster id it joined."""
         key = key.float()
@@ -258,6 +266,10 @@ class MosaicSession:
     @property
     def num_tokens(self) -> int:
         return int(self.keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes + self.keys.nbytes + self.visual_sums.nbytes + 8 * len(self.frame_visual)
 
     def extend(self, keys: torch.Tensor) -> None:
         """Appends the next tokens' keys (online assignment; no re-clustering)."""

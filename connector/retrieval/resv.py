@@ -46,6 +46,10 @@ class Clusters:
         return int(self.counts.numel())
 
     @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.labels, self.sums, self.counts, self.codes, self.center))
+
+    @property
     def means(self) -> torch.Tensor:
         return self.sums / self.counts.unsqueeze(1)
 

@@ -293,16 +293,19 @@ class RetrievalRuntime:
             self.stats.add("retrieval_kept_blocks", kept_blocks)
 
     def reserved_bytes(self) -> int:
-        """Bytes every history takes: what it holds, the room it may grow into, and
-        its clusters' key sums (which grow with the DRE's labels)."""
-        return sum(h.reserved_bytes for h in list(self.histories.values()))
+        """Bytes every history takes: what it holds, the room it may grow into, its
+        clusters' key sums (which grow with the DRE's labels), and the DRE's tables
+        of them where the DRE runs on this host."""
+        return sum(h.reserved_bytes for h in list(self.histories.values())) + self.dre.table_bytes()
 
     def memory(self) -> dict[str, int]:
         """Bytes held in this worker, by part: the long requests' histories (their
         KV and keys, then every tensor with the room reserved to grow into), the
-        working-set buffers, and the steps' temporaries."""
+        working-set buffers, and the steps' temporaries; and the DRE's tables (in
+        its own process)."""
         return {"history": sum(h.nbytes for h in self.histories.values()),
-                "history_reserved": self.reserved_bytes(),
+                "history_reserved": sum(h.reserved_bytes for h in self.histories.values()),
+                "dre_tables": self.dre.table_bytes(),
                 "working_sets": sum(b.nbytes for b in self.buffers.values()),
                 "temporaries": self._temporaries.nbytes}
 
