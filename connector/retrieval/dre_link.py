@@ -118,10 +118,10 @@ class DRELink:
                 self._tables.pop(key, None)         # cluster anew next time
                 self._table_bytes.pop(key, None)
                 continue
-            self._table_bytes[key] = int(reply.get("table_bytes", 0))
             hist = histories.get(key[0])
             if hist is None or hist.layers[key[1]] is not lh:
                 continue                            # the request is gone
+            self._table_bytes[key] = int(reply.get("table_bytes", 0))
             labels = reply["labels"]
             if "relabelled" in reply:               # Mosaic split clusters: every token's label is new
                 labels, first = reply["relabelled"], lh.block_size
