@@ -196,7 +196,8 @@ class KVReelWorker:
         assert self.pages is not None
         if self.retrieval is not None and meta.history is not None:
             for op in meta.history.appends:
-                self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks)
+                self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks,
+                                              op.grow_ahead)
         for op in meta.stores:
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)

@@ -115,6 +115,41 @@ def test_a_requests_room_holds_its_prompt_and_answer_so_decoding_never_moves_it(
     assert torch.equal(lh.pages[:20].view(torch.int16), pages.view(torch.int16))
 
 
+def test_an_answer_that_may_outgrow_its_room_grows_one_layers_room_a_step():
+    """Decoding past a room cut at a quarter of the prompt: layer l grows its room
+    when the history comes within l / layers of an eighth of it, so no step copies
+    every layer; in prefill, or where the answer fits, no room grows early."""
+    from kvreel.connector.retrieval.history import RequestHistory
+    from kvreel.connector.retrieval.history_plan import HistoryPlanner
+    planner = HistoryPlanner(BS, window_tokens=64, min_tokens=256)
+    for computed, max_tokens, outgrows in ((512, 10 ** 6, False), (1025, 10 ** 6, True), (1025, 250, False)):
+        planner.plan(f"r{computed}/{max_tokens}", computed, list(range(40)), prompt_tokens=1024,
+                     max_tokens=max_tokens)
+        [op] = planner.take_step().appends
+        assert op.grow_ahead is outgrows
+    _, k, v = history(blocks=44)
+    pages = pages_of(k, v)
+    hist = RequestHistory(4, H, BS, D, torch.bfloat16, packing())
+    hist.append([pages[:32]] * 4, room=40 * BS)           # the prompt; room for 8 answer blocks
+    grew_at = {}
+    for b in range(32, 44):                               # decoding, a block at a time
+        caps = [lh.keys.shape[1] for lh in hist.layers]
+        hist.append([pages[b:b + 1]] * 4, room=40 * BS, grow_ahead=True)
+        grew = [layer for layer, lh in enumerate(hist.layers) if lh.keys.shape[1] != caps[layer]]
+        assert len(grew) <= 1
+        grew_at.update({layer: b for layer in grew})
+    # layer l grows l * (40 bs / 8) / 4 tokens ahead of need: blocks 40, 39, 38, 37
+    assert grew_at == {0: 40, 1: 39, 2: 38, 3: 37}
+    for lh in hist.layers:
+        assert lh.keys.shape[1] == 50 * BS
+        assert torch.equal(lh.pages[:44].view(torch.int16), pages.view(torch.int16))
+    kept = RequestHistory(4, H, BS, D, torch.bfloat16, packing())
+    kept.append([pages[:32]] * 4, room=40 * BS)
+    for b in range(32, 40):                               # within its room: nothing grows
+        kept.append([pages[b:b + 1]] * 4, room=40 * BS)
+    assert [lh.keys.shape[1] for lh in kept.layers] == [40 * BS] * 4
+
+
 def test_clusters_follow_the_labels_and_rank_the_candidates():
     """Centroids are the labelled keys' means, also after every label changed (a
     Mosaic split); candidates are the tokens of the clusters the rows rank best,

@@ -21,22 +21,25 @@ from kvreel.connector.retrieval.offload import LEDGER
 def room_tokens(prompt_tokens: int, max_tokens: int) -> int:
     """The tokens a request's history room is reserved for when its first blocks
     arrive: the prompt and its answer, the answer counted up to a quarter of the
-    prompt. A history that outgrows its room copies every layer's keys and pages
-    in one decoding step (at 16 K tokens of a float32 model with 2 KV heads of 64,
-    24 MiB a layer), so an answer that fits never pays it; a quarter is what
-    growing would have reserved anyway (``LayerHistory._reserve``), and bounds
-    the room a request with a large default ``max_tokens`` is given."""
+    prompt. A history that outgrows its room copies its keys and pages (at 16 K
+    tokens of a float32 model with 2 KV heads of 64, 24 MiB a layer), so an answer
+    that fits never pays it, and one that may not grows its layers' rooms one a
+    step (``RequestHistory.append``); a quarter is what growing would have
+    reserved anyway (``LayerHistory._reserve``), and bounds the room a request
+    with a large default ``max_tokens`` is given."""
     return prompt_tokens + min(max(max_tokens, 0), prompt_tokens // 4)
 
 
 @dataclass
 class HistoryAppend:
     """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history,
-    which is expected to reach ``room_blocks`` (the worker reserves them at once)."""
+    which is expected to reach ``room_blocks`` (the worker reserves them at once);
+    ``grow_ahead``: a decoding history whose answer may outgrow them."""
     req_id: str
     first_block: int
     block_ids: list[int]
     room_blocks: int = 0
+    grow_ahead: bool = False
 
 
 @dataclass
@@ -84,7 +87,8 @@ class HistoryPlanner:
         """A scheduled request (of ``prompt_tokens``, answering at most ``max_tokens``):
         the blocks that leave its window in this step join its history. Its history
         is expected to reach the prompt and the answer, the answer counted up to a
-        quarter of the prompt (``room_tokens``)."""
+        quarter of the prompt (``room_tokens``); once it decodes, one whose answer
+        may be longer grows its layers' rooms ahead of need, one at a time."""
         have = self.planned.get(req_id, 0)
         if have:
             newest = (computed_after - 1) // self.block_size
@@ -92,8 +96,10 @@ class HistoryPlanner:
                 self._step.rows[block_ids[newest]] = req_id
         target = min(self.window_start(computed_after), len(block_ids))
         if target > have:
+            room = room_tokens(prompt_tokens, max_tokens)
+            outgrows = computed_after > prompt_tokens and prompt_tokens + max_tokens > room
             self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target]),
-                                                    self.window_start(room_tokens(prompt_tokens, max_tokens))))
+                                                    self.window_start(room), outgrows))
             self.planned[req_id] = target
             self._unconfirmed[req_id] = target
 

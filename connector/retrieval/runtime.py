@@ -179,21 +179,24 @@ class RetrievalRuntime:
             self.working.pop((req_id, layer), None)
             self.dre.drop(req_id, layer)
 
-    def append_history(self, req_id: str, first_block: int, block_ids: list[int], room_blocks: int = 0) -> None:
+    def append_history(self, req_id: str, first_block: int, block_ids: list[int], room_blocks: int = 0,
+                       grow_ahead: bool = False) -> None:
         """Blocks ``first_block...`` of a request leave its window: copy their
         pages out of the engine's cache into the history (after the step that
         computed them; vLLM frees them once the scheduler has heard back). Its
         history is expected to reach ``room_blocks`` (its prompt and the start of
-        its answer): room for them is reserved at once."""
+        its answer): room for them is reserved at once (``grow_ahead``: it may outgrow them)."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         self.add_history(req_id, first_block, [self.caches[layer].index_select(0, ids)
-                                               for layer in range(self.num_layers)], room_blocks)
+                                               for layer in range(self.num_layers)], room_blocks, grow_ahead)
 
     @torch.inference_mode()
-    def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0) -> None:
+    def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0,
+                    grow_ahead: bool = False) -> None:
         """Pages ``[n, H, 2 bs, D]`` per layer of blocks ``first_block...`` (from the
         engine's cache, or loaded from kvreel's tiers) join the request's history
-        (room for ``room_blocks`` reserved)."""
+        (room for ``room_blocks`` reserved; ``grow_ahead``: it may outgrow them,
+        ``RequestHistory.append``)."""
         hist = self.histories.get(req_id)
         if hist is None:
             if first_block != 0:
@@ -204,13 +207,11 @@ class RetrievalRuntime:
             raise ValueError(f"history of {req_id} holds {hist.num_blocks} blocks, got blocks from {first_block}")
         # unless it is all kept, the DRE's tables grow with the history: its clusters narrow long ones
         client = self.dre.client() if self.clusters_for(hist, extra=pages[0].shape[0]) else None
-        for layer, layer_pages in enumerate(pages):
-            lh = hist.layers[layer]
-            first_token = max(first_block, 1) * self.block_size
-            keys = lh.append(layer_pages, first_block, room_blocks * self.block_size)
+        first_token = max(first_block, 1) * self.block_size
+        for layer, keys in enumerate(hist.append(pages, room_blocks * self.block_size, grow_ahead)):
             if client is not None and keys.shape[1]:
-                self.dre.send(client, req_id, layer, lh, keys, first_token, self.working.get((req_id, layer)))
-        hist.num_blocks += pages[0].shape[0]
+                self.dre.send(client, req_id, layer, hist.layers[layer], keys, first_token,
+                              self.working.get((req_id, layer)))
 
     def as_pages(self, rows: torch.Tensor) -> torch.Tensor:
         """One layer's rows of a stored chunk ``[n, block_bytes]`` (uint8) as cache pages ``[n, H, 2 bs, D]``."""
