@@ -131,8 +131,9 @@ class ClusterIndex:
         return self.order[h, self.starts[h, ranked[:taken]][run] + within]
 
 
-def _grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
-    """``old`` with room for ``size`` along ``axis``, its first ``used`` there copied."""
+def grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
+    """``old`` with room for ``size`` along ``axis``, its first ``used`` there copied
+    (tensors that grow in place of ``torch.cat``, which copies all of them a step)."""
     shape = list(old.shape)
     shape[axis] = size
     grown = torch.empty(shape, dtype=old.dtype)
@@ -211,10 +212,10 @@ class LayerHistory:
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
         freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages, self._labels)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
-        self._labels = _grown(self._labels, 1, new_cap - bs, self.labels.shape[1])
-        self.keys = _grown(self.keys, 1, new_cap, self.num_tokens)
-        self.bounds = _grown(self.bounds, 2, blocks, used_blocks)
-        self.pages = _grown(self.pages, 0, blocks, used_blocks)
+        self._labels = grown(self._labels, 1, new_cap - bs, self.labels.shape[1])
+        self.keys = grown(self.keys, 1, new_cap, self.num_tokens)
+        self.bounds = grown(self.bounds, 2, blocks, used_blocks)
+        self.pages = grown(self.pages, 0, blocks, used_blocks)
 
     def dre_keys(self) -> torch.Tensor:
         """Every key after the sink block ``[H, T - bs, D]`` (float32): to cluster anew."""

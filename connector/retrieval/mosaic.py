@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvreel.connector.retrieval.history import grown
 from kvreel.connector.retrieval.resv import wicsum
 
 
@@ -98,8 +99,10 @@ class MosaicIndex:
     base_k: float = 0.5
     split_std: float = 0.5
     center: torch.Tensor | float = 0.0      # subtracted from keys before k-means (the history's mean key)
+    # every cluster's centroid and visual group, in rows [:len(clusters)] of room that grows
     _cents: torch.Tensor | None = field(default=None, repr=False)
     _visuals: torch.Tensor | None = field(default=None, repr=False)
+    _rows: int = field(default=0, repr=False)
 
     @classmethod
     def build(cls, keys: torch.Tensor, frame_of: torch.Tensor, visual_labels: torch.Tensor,
@@ -144,18 +147,24 @@ class MosaicIndex:
                 c.split_pending = c.count > 8 and std > self.split_std * max(c.dist_mean, 1e-6)
                 return cid
         self.clusters.append(SemanticCluster(visual, [token], key.clone()))
-        self._cents = torch.cat([cents.view(-1, key.shape[0]), key.unsqueeze(0)])
-        self._visuals = torch.cat([visuals, torch.tensor([visual])])
-        return len(self.clusters) - 1
+        C = len(self.clusters)
+        if C > self._cents.shape[0]:
+            size = C + C // 4
+            self._cents = grown(self._cents.view(-1, key.shape[0]), 0, size, C - 1)
+            self._visuals = grown(self._visuals, 0, size, C - 1)
+        self._cents[C - 1], self._visuals[C - 1], self._rows = key, visual, C
+        return C - 1
 
     def _table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cluster's centroid ``[C, D]`` and visual group ``[C]``, kept in step
         with ``clusters`` (rebuilt after a split), so that assigning a token is a
         few tensor ops, not a Python pass over thousands of clusters."""
-        if self._cents is None or self._cents.shape[0] != len(self.clusters):
+        C = len(self.clusters)
+        if self._cents is None or self._rows != C:
             self._cents = torch.stack([c.centroid for c in self.clusters]) if self.clusters else torch.empty(0, 0)
             self._visuals = torch.tensor([c.visual for c in self.clusters], dtype=torch.long)
-        return self._cents, self._visuals
+            self._rows = C
+        return self._cents[:C], self._visuals[:C]
 
     def apply_split(self, cid: int, keys: torch.Tensor) -> list[int]:
         """Split a pending cluster in two (its keys are at hand because it was
@@ -247,10 +256,11 @@ class MosaicSession:
     pending are applied when their cluster is fetched (``after_fetch``), since
     its keys are at hand then; the session keeps the keys for that."""
     index: MosaicIndex
-    keys: torch.Tensor              # [T, D] float32
+    room: torch.Tensor              # [capacity, D] float32: the history's keys, then room to grow into
     segment: int
     visual_sums: torch.Tensor       # [V, D] sums of member frames' unit embeddings
     frame_visual: list[int]
+    num_tokens: int
 
     @classmethod
     def build(cls, keys: torch.Tensor, segment: int, per_visual: int = 16) -> "MosaicSession":
@@ -261,21 +271,26 @@ class MosaicSession:
         visual = cosine_kmeans(embeddings, max(1, round(math.sqrt(frames))))
         unit = torch.nn.functional.normalize(embeddings, dim=-1)
         sums = torch.zeros(int(visual.max()) + 1 if frames else 0, keys.shape[1]).index_add_(0, visual, unit)
-        return cls(MosaicIndex.build(keys, frame_of, visual, per_visual), keys, segment, sums, visual.tolist())
+        return cls(MosaicIndex.build(keys, frame_of, visual, per_visual), keys, segment, sums, visual.tolist(),
+                   keys.shape[0])
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.keys.shape[0])
+    def keys(self) -> torch.Tensor:
+        """The history's keys ``[T, D]`` (float32)."""
+        return self.room[:self.num_tokens]
 
     @property
     def nbytes(self) -> int:
-        return self.index.nbytes + self.keys.nbytes + self.visual_sums.nbytes + 8 * len(self.frame_visual)
+        return self.index.nbytes + self.room.nbytes + self.visual_sums.nbytes + 8 * len(self.frame_visual)
 
     def extend(self, keys: torch.Tensor) -> None:
         """Appends the next tokens' keys (online assignment; no re-clustering)."""
         keys = keys.float()
         start = self.num_tokens
-        self.keys = torch.cat([self.keys, keys])
+        if start + keys.shape[0] > self.room.shape[0]:            # grows by a quarter, as a history's room
+            self.room = grown(self.room, 0, start + max(keys.shape[0], start // 4), start)
+        self.room[start:start + keys.shape[0]] = keys
+        self.num_tokens += keys.shape[0]
         frames = torch.arange(start, self.num_tokens) // self.segment
         for i, f in enumerate(frames.tolist()):
             if f >= len(self.frame_visual):
