@@ -101,10 +101,10 @@ def test_a_session_grows_online_without_reclustering():
     keys, _, _, scene_of = session()
     s = MosaicSession.build(keys[:192], segment=32)           # 6 frames clustered by k-means
     built = [list(c.tokens) for c in s.index.clusters]
-    for start in range(192, 384, 16):                          # then half-frames arrive
-        s.extend(keys[start:start + 16])
+    joined = [s.extend(keys[start:start + 16]) for start in range(192, 384, 16)]    # then half-frames arrive
     assert s.num_tokens == 384 and torch.equal(s.keys, keys)
     owner = s.index.owners(384)
+    assert torch.equal(torch.cat(joined), owner[192:])         # each token's cluster, as it joined
     assert bool((owner >= 0).all()) and sum(c.count for c in s.index.clusters) == 384
     assert [c.tokens[:len(t)] for c, t in zip(s.index.clusters, built)] == built      # old members stay
     assert len(s.frame_visual) == 12

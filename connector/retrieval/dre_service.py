@@ -79,16 +79,19 @@ class DREService:
                 tables = [cluster_keys(k, self._planes_for(k), self.hamming) if method == "resv"
                           else MosaicSession.build(k, segment) for k in keys]
                 first = 0
+                labels = [_owners(t, keys.shape[1]) for t in tables]
             else:
                 tables, first = self._table(handle)
                 if keys.shape[0] != len(tables):
                     raise DREError(f"extend wants keys of {len(tables)} heads, got {tuple(keys.shape)}")
                 fetched = _fetched(msg, len(tables))
+                labels = []
                 for i, (k, table) in enumerate(zip(keys, tables)):
                     if isinstance(table, Clusters):
                         tables[i] = extend_clusters(table, k, self._planes_for(k), self.hamming)
+                        labels.append(tables[i].labels[first:])
                     else:
-                        table.extend(k)
+                        labels.append(table.extend(k))
                         if fetched is not None:
                             split |= table.after_fetch(fetched[i][(fetched[i] >= 0)
                                                                   & (fetched[i] < len(table.index.clusters))])
@@ -96,7 +99,7 @@ class DREService:
             self.tables[handle] = (tables, n_tokens)
             reply = {"ok": True, "clusters": sum(_num_clusters(t) for t in tables),
                      "table_bytes": sum(t.nbytes for t in tables),
-                     "labels": torch.stack([_owners(t, n_tokens)[first:] for t in tables])}
+                     "labels": torch.stack(labels)}
             if split:
                 reply["relabelled"] = torch.stack([_owners(t, n_tokens) for t in tables])
             return reply

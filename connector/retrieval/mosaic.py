@@ -283,8 +283,10 @@ class MosaicSession:
     def nbytes(self) -> int:
         return self.index.nbytes + self.room.nbytes + self.visual_sums.nbytes + 8 * len(self.frame_visual)
 
-    def extend(self, keys: torch.Tensor) -> None:
-        """Appends the next tokens' keys (online assignment; no re-clustering)."""
+    def extend(self, keys: torch.Tensor) -> torch.Tensor:
+        """Appends the next tokens' keys (online assignment; no re-clustering); the
+        cluster each joined (what ``index.owners`` would say of them, without its
+        pass over every token)."""
         keys = keys.float()
         start = self.num_tokens
         if start + keys.shape[0] > self.room.shape[0]:            # grows by a quarter, as a history's room
@@ -292,10 +294,12 @@ class MosaicSession:
         self.room[start:start + keys.shape[0]] = keys
         self.num_tokens += keys.shape[0]
         frames = torch.arange(start, self.num_tokens) // self.segment
+        joined = []
         for i, f in enumerate(frames.tolist()):
             if f >= len(self.frame_visual):
                 self.frame_visual.append(self._visual_of(keys[frames == f].sum(0)))
-            self.index.assign(start + i, keys[i], self.frame_visual[f])
+            joined.append(self.index.assign(start + i, keys[i], self.frame_visual[f]))
+        return torch.tensor(joined, dtype=torch.long)
 
     def _visual_of(self, embedding: torch.Tensor) -> int:
         unit = torch.nn.functional.normalize(embedding, dim=-1)
