@@ -136,9 +136,9 @@ def grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
     (tensors that grow in place of ``torch.cat``, which copies all of them a step)."""
     shape = list(old.shape)
     shape[axis] = size
-    grown = torch.empty(shape, dtype=old.dtype)
-    grown.narrow(axis, 0, used).copy_(old.narrow(axis, 0, used))
-    return grown
+    out = torch.empty(shape, dtype=old.dtype)
+    out.narrow(axis, 0, used).copy_(old.narrow(axis, 0, used))
+    return out
 
 
 class LayerHistory:
