@@ -266,3 +266,15 @@ def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):
         time.sleep(0.2)
     else:
         raise AssertionError(f"DRE {pid} outlived its parent")
+
+
+@pytest.mark.parametrize("address,charged", [(None, True), ("/run/kvreel/dre.sock", True), ("127.0.0.1:7000", True),
+                                             ("192.0.2.7:7000", False)])
+def test_the_dres_tables_are_charged_where_it_shares_the_workers_host(address, charged):
+    """The DRE's tables count against the host budget when the DRE runs on this
+    host (the worker's child, a Unix socket, loopback), not when it runs elsewhere
+    (the charge itself: ``test_a_long_history_is_narrowed_by_the_dres_clusters``)."""
+    from kvreel.connector.config import KVReelConfig
+    from kvreel.connector.retrieval.dre_link import DRELink
+    env = {"KVREEL_RETRIEVAL": "resv", **({"KVREEL_DRE_ADDRESS": address} if address else {})}
+    assert DRELink(KVReelConfig.load(env=env), lambda *a, **k: None).on_this_host is charged
