@@ -9,8 +9,9 @@ every layer (pages unpacked, keys and bounds kept), shaped like SmolLM2-135M
 (128); ``KVREEL_RETRIEVAL_NARROWING=pages``, so no DRE takes part. The prompt's
 blocks come at once with their room; then the answer's, a block a step:
 
-* ``one layer a step``: as served (``grow_ahead``: layer l grows its room when
-  the history is within l / layers of an eighth of it);
+* ``one layer a step``: as served (told the most the history can reach, layer l
+  grows its room when the history is within l / layers of an eighth of it, and
+  no room grows past that most);
 * baseline in the same run, ``every layer at once``: each layer grows when the
   history outgrows it, as before (so one step copies every layer's history).
 
@@ -47,18 +48,19 @@ def runtime(layers: int, heads: int, head_dim: int, block: int):
     return rt
 
 
-def steps(rt, a, grow_ahead: bool) -> list[float]:
+def steps(rt, a, ahead: bool) -> list[float]:
     """Per answer block, the ms its ``add_history`` took."""
     from kvreel.connector.retrieval.history_plan import room_tokens
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(a.prompt // a.block, a.heads, 2 * a.block, a.head_dim, generator=g)
     block = torch.randn(1, a.heads, 2 * a.block, a.head_dim, generator=g)
     room = room_tokens(a.prompt, a.answer) // a.block
+    most = (a.prompt + a.answer) // a.block if ahead else 0
     rt.add_history("r", 0, [prompt] * a.layers, room)
     times = []
     for b in range(a.prompt // a.block, (a.prompt + a.answer) // a.block):
         t0 = time.perf_counter()
-        rt.add_history("r", b, [block] * a.layers, room, grow_ahead)
+        rt.add_history("r", b, [block] * a.layers, room, most)
         times.append((time.perf_counter() - t0) * 1000)
     rt.drop("r")
     return times

@@ -118,15 +118,17 @@ def test_a_requests_room_holds_its_prompt_and_answer_so_decoding_never_moves_it(
 def test_an_answer_that_may_outgrow_its_room_grows_one_layers_room_a_step():
     """Decoding past a room cut at a quarter of the prompt: layer l grows its room
     when the history comes within l / layers of an eighth of it, so no step copies
-    every layer; in prefill, or where the answer fits, no room grows early."""
+    every layer, and no room grows past what the answer can reach; in prefill, or
+    where the answer fits, no room grows early."""
     from kvreel.connector.retrieval.history import RequestHistory
     from kvreel.connector.retrieval.history_plan import HistoryPlanner
     planner = HistoryPlanner(BS, window_tokens=64, min_tokens=256)
-    for computed, max_tokens, outgrows in ((512, 10 ** 6, False), (1025, 10 ** 6, True), (1025, 250, False)):
+    for computed, max_tokens, most in ((512, 10 ** 6, 0), (1025, 10 ** 6, (1024 + 10 ** 6 - 64) // BS),
+                                       (1025, 250, 0)):
         planner.plan(f"r{computed}/{max_tokens}", computed, list(range(40)), prompt_tokens=1024,
                      max_tokens=max_tokens)
         [op] = planner.take_step().appends
-        assert op.grow_ahead is outgrows
+        assert op.most_blocks == most
     _, k, v = history(blocks=44)
     pages = pages_of(k, v)
     hist = RequestHistory(4, H, BS, D, torch.bfloat16, packing())
@@ -134,14 +136,14 @@ def test_an_answer_that_may_outgrow_its_room_grows_one_layers_room_a_step():
     grew_at = {}
     for b in range(32, 44):                               # decoding, a block at a time
         caps = [lh.keys.shape[1] for lh in hist.layers]
-        hist.append([pages[b:b + 1]] * 4, room=40 * BS, grow_ahead=True)
+        hist.append([pages[b:b + 1]] * 4, room=40 * BS, most=44 * BS)
         grew = [layer for layer, lh in enumerate(hist.layers) if lh.keys.shape[1] != caps[layer]]
         assert len(grew) <= 1
         grew_at.update({layer: b for layer in grew})
     # layer l grows l * (40 bs / 8) / 4 tokens ahead of need: blocks 40, 39, 38, 37
     assert grew_at == {0: 40, 1: 39, 2: 38, 3: 37}
     for lh in hist.layers:
-        assert lh.keys.shape[1] == 50 * BS
+        assert lh.keys.shape[1] == 44 * BS                # the most it can reach, not a quarter more
         assert torch.equal(lh.pages[:44].view(torch.int16), pages.view(torch.int16))
     kept = RequestHistory(4, H, BS, D, torch.bfloat16, packing())
     kept.append([pages[:32]] * 4, room=40 * BS)

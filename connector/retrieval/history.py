@@ -177,17 +177,20 @@ class LayerHistory:
         """Bytes of every tensor it keeps, with the room reserved to grow into."""
         return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self._labels, self.sums, self.counts))
 
-    def append(self, pages: torch.Tensor, first_block: int, room: int = 0, ahead: float = 0.0) -> torch.Tensor:
+    def append(self, pages: torch.Tensor, first_block: int, room: int = 0, most: int = 0,
+               ahead: float = 0.0) -> torch.Tensor:
         """Append cache pages ``[n, H, 2 bs, D]`` of blocks ``first_block...``; the
         keys of their tokens after the sink block ``[H, m, D]`` (float32, for the DRE).
-        ``room``: the tokens the history is known to reach (its prompt's), reserved at once.
-        ``ahead`` in [0, 1): grow that share of an eighth of the room before it is full."""
+        ``room``: the tokens the history is known to reach (its prompt's), reserved at once;
+        ``most`` (0: unknown): the most it can reach, which its room never grows past;
+        below it, grow ``ahead`` (in [0, 1)) that share of an eighth of the room before it is full."""
         if first_block * self.block_size != self.num_tokens:
             raise ValueError(f"history holds {self.num_tokens} tokens, got blocks from {first_block}")
         k = self.packing.unpack_part(pages, 0)                            # [n bs, H, D]
         n = k.shape[0]
-        early = int(ahead * self.keys.shape[1] / 8) // self.block_size * self.block_size
-        self._reserve(max(self.num_tokens + n + early, room))
+        cap = self.keys.shape[1]
+        early = int(ahead * cap / 8) // self.block_size * self.block_size if most > cap else 0
+        self._reserve(max(self.num_tokens + n + early, room), most)
         self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
         blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
@@ -200,16 +203,18 @@ class LayerHistory:
             k = k[self.block_size:]
         return k.transpose(0, 1).float()
 
-    def _reserve(self, tokens: int) -> None:
-        """Room for ``tokens``, and a quarter more than there was: rooms that doubled
-        held up to 1.6x a prefilled history's bytes (a prompt's history grows a chunk
-        at a time; ``bench/engine_memory.py``), where growing by a quarter costs a
-        few more copies of what is held."""
+    def _reserve(self, tokens: int, most: int = 0) -> None:
+        """Room for ``tokens``, and a quarter more than there was (up to ``most``, when
+        known): rooms that doubled held up to 1.6x a prefilled history's bytes (a
+        prompt's history grows a chunk at a time; ``bench/engine_memory.py``), where
+        growing by a quarter costs a few more copies of what is held."""
         cap = self.keys.shape[1]
         if tokens <= cap:
             return
         bs = self.block_size
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
+        if most:
+            new_cap = max(tokens, min(new_cap, most))
         freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages, self._labels)))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
         self._labels = grown(self._labels, 1, new_cap - bs, self.labels.shape[1])
@@ -328,15 +333,16 @@ class RequestHistory:
     def reserved_bytes(self) -> int:
         return sum(layer.reserved_bytes for layer in self.layers)
 
-    def append(self, pages: list[torch.Tensor], room: int = 0, grow_ahead: bool = False) -> list[torch.Tensor]:
+    def append(self, pages: list[torch.Tensor], room: int = 0, most: int = 0) -> list[torch.Tensor]:
         """Every layer's pages ``[n, H, 2 bs, D]`` of the blocks after those held; each
-        layer's keys (``LayerHistory.append``). ``grow_ahead``: the history may outgrow
-        its ``room``; layer l grows its room when it is within l / layers of an
-        eighth of full, so a decoding step copies one layer's history, not all of
-        them (30 layers of 8 K tokens of a float32 model with 3 KV heads of 64:
-        about half a GiB in one step)."""
+        layer's keys (``LayerHistory.append``). ``most`` (0: unknown): the most tokens
+        a decoding history that may outgrow its ``room`` can reach; until its rooms
+        hold that, layer l grows its room when it is within l / layers of an eighth
+        of full, so a step copies about one layer's history, not all of them (30
+        layers of 8 K tokens of a float32 model with 3 KV heads of 64: about half a
+        GiB in one step), and no room grows past it."""
         first = self.num_blocks
-        keys = [lh.append(p, first, room, layer / len(self.layers) if grow_ahead else 0.0)
+        keys = [lh.append(p, first, room, most, layer / len(self.layers))
                 for layer, (lh, p) in enumerate(zip(self.layers, pages))]
         self.num_blocks += pages[0].shape[0]
         return keys

@@ -34,12 +34,13 @@ def room_tokens(prompt_tokens: int, max_tokens: int) -> int:
 class HistoryAppend:
     """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history,
     which is expected to reach ``room_blocks`` (the worker reserves them at once);
-    ``grow_ahead``: a decoding history whose answer may outgrow them."""
+    ``most_blocks``: for a decoding history whose answer may outgrow them, the
+    most it can reach (else 0)."""
     req_id: str
     first_block: int
     block_ids: list[int]
     room_blocks: int = 0
-    grow_ahead: bool = False
+    most_blocks: int = 0
 
 
 @dataclass
@@ -96,10 +97,11 @@ class HistoryPlanner:
                 self._step.rows[block_ids[newest]] = req_id
         target = min(self.window_start(computed_after), len(block_ids))
         if target > have:
-            room = room_tokens(prompt_tokens, max_tokens)
-            outgrows = computed_after > prompt_tokens and prompt_tokens + max_tokens > room
+            room, most = room_tokens(prompt_tokens, max_tokens), prompt_tokens + max(max_tokens, 0)
+            outgrows = computed_after > prompt_tokens and most > room
             self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target]),
-                                                    self.window_start(room), outgrows))
+                                                    self.window_start(room),
+                                                    self.window_start(most) if outgrows else 0))
             self.planned[req_id] = target
             self._unconfirmed[req_id] = target
 

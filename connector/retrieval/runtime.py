@@ -180,23 +180,23 @@ class RetrievalRuntime:
             self.dre.drop(req_id, layer)
 
     def append_history(self, req_id: str, first_block: int, block_ids: list[int], room_blocks: int = 0,
-                       grow_ahead: bool = False) -> None:
+                       most_blocks: int = 0) -> None:
         """Blocks ``first_block...`` of a request leave its window: copy their
         pages out of the engine's cache into the history (after the step that
         computed them; vLLM frees them once the scheduler has heard back). Its
         history is expected to reach ``room_blocks`` (its prompt and the start of
-        its answer): room for them is reserved at once (``grow_ahead``: it may outgrow them)."""
+        its answer): room for them is reserved at once (``most_blocks``: the most a
+        decoding history that may outgrow them can reach)."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         self.add_history(req_id, first_block, [self.caches[layer].index_select(0, ids)
-                                               for layer in range(self.num_layers)], room_blocks, grow_ahead)
+                                               for layer in range(self.num_layers)], room_blocks, most_blocks)
 
     @torch.inference_mode()
     def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0,
-                    grow_ahead: bool = False) -> None:
+                    most_blocks: int = 0) -> None:
         """Pages ``[n, H, 2 bs, D]`` per layer of blocks ``first_block...`` (from the
         engine's cache, or loaded from kvreel's tiers) join the request's history
-        (room for ``room_blocks`` reserved; ``grow_ahead``: it may outgrow them,
-        ``RequestHistory.append``)."""
+        (room for ``room_blocks`` reserved; ``most_blocks``: ``RequestHistory.append``)."""
         hist = self.histories.get(req_id)
         if hist is None:
             if first_block != 0:
@@ -208,9 +208,10 @@ class RetrievalRuntime:
         # unless it is all kept, the DRE's tables grow with the history: its clusters narrow long ones
         client = self.dre.client() if self.clusters_for(hist, extra=pages[0].shape[0]) else None
         first_token = max(first_block, 1) * self.block_size
-        for layer, keys in enumerate(hist.append(pages, room_blocks * self.block_size, grow_ahead)):
-            if client is not None and keys.shape[1]:
-                self.dre.send(client, req_id, layer, hist.layers[layer], keys, first_token,
+        keys = hist.append(pages, room_blocks * self.block_size, most_blocks * self.block_size)
+        for layer, layer_keys in enumerate(keys):
+            if client is not None and layer_keys.shape[1]:
+                self.dre.send(client, req_id, layer, hist.layers[layer], layer_keys, first_token,
                               self.working.get((req_id, layer)))
 
     def as_pages(self, rows: torch.Tensor) -> torch.Tensor:
