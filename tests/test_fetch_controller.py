@@ -250,7 +250,13 @@ def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         return got
+    # the lookups' one thread is held busy, so the first lookup is surely still in flight
+    # (a file store can answer before poll looks: under load CI saw it answered)
+    busy = threading.Event()
+    lookups._pool.submit(busy.wait, 10)
     assert lookups.poll("r", hashes) is None                 # in flight for blocks 0..1
+    assert lookups.poll("r", hashes[1:]) is None             # other blocks asked: a new lookup
+    busy.set()
     assert answer(hashes[1:]) == [(key, 1)]                  # asked about block 1 only: row 1, not row 0
     assert answer(hashes) == [(key, 0), (key, 1)]
     lookups.close()
