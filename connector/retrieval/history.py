@@ -338,9 +338,10 @@ class RequestHistory:
         layer's keys (``LayerHistory.append``). ``most`` (0: unknown): the most tokens
         a decoding history that may outgrow its ``room`` can reach; until its rooms
         hold that, layer l grows its room when it is within l / layers of an eighth
-        of full, so a step copies about one layer's history, not all of them (30
-        layers of 8 K tokens of a float32 model with 3 KV heads of 64: about half a
-        GiB in one step), and no room grows past it."""
+        of full, so a step copies a few layers' histories (layers over the blocks
+        of that eighth), not all of them (30 layers of 8 K tokens of a float32
+        model with 3 KV heads of 64: about half a GiB in one step), and no room
+        grows past it."""
         first = self.num_blocks
         keys = [lh.append(p, first, room, most, layer / len(self.layers))
                 for layer, (lh, p) in enumerate(zip(self.layers, pages))]
