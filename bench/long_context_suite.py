@@ -17,7 +17,10 @@ sets held (kvreel's counters), and the held-out prefill's wall time
 setting N times round-robin: times are medians with every run kept, and each
 setting records whether its answers matched its first run's. Results are
 written after every engine; a run of the same commit and settings that was
-interrupted goes on where it stopped.
+interrupted goes on where it stopped. Each run hands its engines its cases
+from a folder of its own, so two suites (other names) can run side by side,
+each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0`` and ``=1``), where
+only answers are wanted.
 
     python bench/long_context_suite.py --model models/smollm2-135m
 
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import textwrap
@@ -38,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, RESULTS, commit, engine_in_subprocess, engine_or_main, plot_agreement,  # noqa: E402
-                    python_source_corpus, report, retrieval_counters, save, save_figure)
+                    python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
@@ -107,8 +109,6 @@ def main() -> None:
     tasks, lengths = a.tasks.split(","), [int(x) for x in a.lengths.split(",")]
     cases = suite(tok, tasks, lengths, a.cases, a.seed)
     held_out = tok(python_source_corpus(8 * a.held_out_tokens))["input_ids"][:a.held_out_tokens]
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvreel-long-context-suite.json"
-    work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
     configs = [("full attention", None, {})]
     for spec in filter(None, a.configs.split(",")):
         method, share, *more = spec.split(":")
@@ -120,41 +120,47 @@ def main() -> None:
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
                                            "held_out_tokens", "seed", "dtype", "runs")}
     results = resumed(name, settings)
-    for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
-        for label, method, env in configs:
-            if results.get(label, {}).get("runs", 0) > run:
-                print(f"== {label}, run {run + 1}: kept from the interrupted run of this commit", flush=True)
-                continue
-            print(f"== {label}, run {run + 1} of {a.runs}", flush=True)
-            got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "kvreel": method is not None,
-                                                  "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
-                                                  "dtype": a.dtype, "max_model_len": max(max(lengths),
-                                                                                         a.held_out_tokens) + a.max_tokens},
-                                       {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
-            if "error" in got:
-                raise RuntimeError(f"{label}: {got['error']}")
-            summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"), method, env)
-            if run == 0:
-                results[label] = {**summary, "runs": 1, "same_as_first_run": True,
-                                  "cases_wall_s_runs": [got["cases_s"]], "held_out_wall_s_runs": [got["held_out_s"]]}
-            else:
+    with scratch("kvreel-long-context-suite-") as tmp:
+        work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
+        work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
+        engine_args = {"model": a.model, "work": str(work), "chunk": a.chunk, "batch": a.batch,
+                       "max_tokens": a.max_tokens, "dtype": a.dtype,
+                       "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens}
+        for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
+            for label, method, env in configs:
+                if results.get(label, {}).get("runs", 0) > run:
+                    print(f"== {label}, run {run + 1}: kept from the interrupted run of this commit", flush=True)
+                    continue
+                print(f"== {label}, run {run + 1} of {a.runs}", flush=True)
+                got = engine_in_subprocess(__file__, {**engine_args, "kvreel": method is not None},
+                                           {"VLLM_CPU_KVCACHE_SPACE": "2", **env}, timeout=6 * 3600)
+                if "error" in got:
+                    raise RuntimeError(f"{label}: {got['error']}")
+                summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"),
+                                    method, env)
+                if run == 0:
+                    results[label] = {**summary, "runs": 1, "same_as_first_run": True,
+                                      "cases_wall_s_runs": [got["cases_s"]],
+                                      "held_out_wall_s_runs": [got["held_out_s"]]}
+                else:
+                    r = results[label]
+                    r["runs"] += 1
+                    r["cases_wall_s_runs"].append(got["cases_s"])
+                    r["held_out_wall_s_runs"].append(got["held_out_s"])
+                    r["same_as_first_run"] &= all(summary[k] == r[k]
+                                                  for k in ("answers", "held_out_top1_agreement", "top1"))
                 r = results[label]
-                r["runs"] += 1
-                r["cases_wall_s_runs"].append(got["cases_s"])
-                r["held_out_wall_s_runs"].append(got["held_out_s"])
-                r["same_as_first_run"] &= all(summary[k] == r[k] for k in ("answers", "held_out_top1_agreement", "top1"))
-            r = results[label]
-            r["cases_wall_s"], r["held_out_wall_s"] = (statistics.median(r["cases_wall_s_runs"]),
-                                                       statistics.median(r["held_out_wall_s_runs"]))
-            print(json.dumps({k: v for k, v in r.items() if k not in ("per_case", "top1")}), flush=True)
-            import vllm
-            path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
-                               "complete": all(results.get(c[0], {}).get("runs", 0) == a.runs for c in configs),
-                               "case_tokens": [c.tokens for c in cases], "results": results})
-            print(f"wrote {path}")
-            if cases:
-                plot(name, results, tasks, lengths, a.cases, f"{Path(a.model).name} ({a.dtype})")
-            plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk, a.dtype, a.runs)
+                r["cases_wall_s"], r["held_out_wall_s"] = (statistics.median(r["cases_wall_s_runs"]),
+                                                           statistics.median(r["held_out_wall_s_runs"]))
+                print(json.dumps({k: v for k, v in r.items() if k not in ("per_case", "top1")}), flush=True)
+                import vllm
+                path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                                   "complete": all(results.get(c[0], {}).get("runs", 0) == a.runs for c in configs),
+                                   "case_tokens": [c.tokens for c in cases], "results": results})
+                print(f"wrote {path}")
+                if cases:
+                    plot(name, results, tasks, lengths, a.cases, f"{Path(a.model).name} ({a.dtype})")
+                plot_held_out(name, results, Path(a.model).name, a.held_out_tokens, a.chunk, a.dtype, a.runs)
 
 
 def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], reference: list[int] | None,
