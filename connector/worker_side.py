@@ -197,7 +197,7 @@ class KVReelWorker:
         if self.retrieval is not None and meta.history is not None:
             for op in meta.history.appends:
                 self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks,
-                                              op.most_blocks)
+                                              op.most_blocks, op.reach_blocks)
         for op in meta.stores:
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)

@@ -372,6 +372,24 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
     assert runtime.dre.table_bytes() == 0 == runtime.reserved_bytes()
 
 
+def test_the_dre_clusters_only_histories_whose_requests_can_grow_to_be_narrowed(setup):
+    """A history is sent to the DRE before it is long enough to be narrowed (so its
+    clusters are ready when it is twice as long), but not where its request can
+    never grow that long (its prompt and longest answer, as the scheduler says):
+    a request that is never narrowed never costs the DRE's time and memory."""
+    from kvreel.connector.retrieval.selection import narrows
+    impl, runtime = setup
+    _a_query_for_one_key(runtime, 7, retrieval_candidates=3, retrieval_budget_tokens=128)
+    hist = runtime.histories["r"]
+    assert not narrows(3, runtime.kept_tokens(hist.num_blocks), (hist.num_blocks - 1) * BS)    # not yet narrowed
+    assert runtime.clusters_for(hist)                          # how far it grows is unknown: clustered ahead
+    for reach, clustered in ((17, False), (40, True)):
+        runtime.drop("r")
+        runtime.add_history("r", 0, [runtime.caches[0][torch.arange(1, 15)]], reach_blocks=reach)
+        assert runtime.clusters_for(runtime.histories["r"]) is clustered
+    runtime.drop("r")
+
+
 def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):
     """Past ``KVREEL_RETRIEVAL_DECODE_CANDIDATES`` x the budget, a decoding step
     scores only the tokens of the blocks its own queries rank best by their keys'

@@ -103,6 +103,10 @@ def test_a_requests_room_holds_its_prompt_and_answer_so_decoding_never_moves_it(
     planner.plan("r", 512, list(range(17)), prompt_tokens=600, max_tokens=90)
     [op] = planner.take_step().appends
     assert (op.first_block, op.room_blocks) == (0, (690 - 64) // BS)
+    assert op.reach_blocks == (690 - 64) // BS            # the most its history can hold: prompt and answer
+    planner.plan("long", 512, list(range(17)), prompt_tokens=600, max_tokens=10 ** 6)
+    [op] = planner.take_step().appends
+    assert (op.room_blocks, op.reach_blocks) == ((750 - 64) // BS, (600 + 10 ** 6 - 64) // BS)
     lh, k, v = history(blocks=20)
     pages = pages_of(k, v)
     lh.append(pages[:16], 0, room=19 * BS)                # the prompt's blocks; room for three answer blocks

@@ -324,6 +324,7 @@ class RequestHistory:
         self.layers = [LayerHistory(heads, block_size, head_dim, dtype, packing) for _ in range(layers)]
         self.num_blocks = 0
         self.block_size = block_size
+        self.reach_blocks = 0          # the most blocks it can reach (its prompt and longest answer); 0: unknown
 
     @property
     def nbytes(self) -> int:

@@ -35,12 +35,14 @@ class HistoryAppend:
     """Copy blocks ``first_block...`` of ``req_id`` (vLLM block ids) into its history,
     which is expected to reach ``room_blocks`` (the worker reserves them at once);
     ``most_blocks``: for a decoding history whose answer may outgrow them, the
-    most it can reach (else 0)."""
+    most it can reach (else 0); ``reach_blocks``: the most it can reach, its
+    prompt and longest answer (0: unknown)."""
     req_id: str
     first_block: int
     block_ids: list[int]
     room_blocks: int = 0
     most_blocks: int = 0
+    reach_blocks: int = 0
 
 
 @dataclass
@@ -101,7 +103,8 @@ class HistoryPlanner:
             outgrows = computed_after > prompt_tokens and most > room
             self._step.appends.append(HistoryAppend(req_id, have, list(block_ids[have:target]),
                                                     self.window_start(room),
-                                                    self.window_start(most) if outgrows else 0))
+                                                    self.window_start(most) if outgrows else 0,
+                                                    self.window_start(most)))
             self.planned[req_id] = target
             self._unconfirmed[req_id] = target
 

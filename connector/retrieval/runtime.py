@@ -180,23 +180,26 @@ class RetrievalRuntime:
             self.dre.drop(req_id, layer)
 
     def append_history(self, req_id: str, first_block: int, block_ids: list[int], room_blocks: int = 0,
-                       most_blocks: int = 0) -> None:
+                       most_blocks: int = 0, reach_blocks: int = 0) -> None:
         """Blocks ``first_block...`` of a request leave its window: copy their
         pages out of the engine's cache into the history (after the step that
         computed them; vLLM frees them once the scheduler has heard back). Its
         history is expected to reach ``room_blocks`` (its prompt and the start of
         its answer): room for them is reserved at once (``most_blocks``: the most a
-        decoding history that may outgrow them can reach)."""
+        decoding history that may outgrow them can reach; ``reach_blocks``: the most
+        any can, 0 where unknown)."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         self.add_history(req_id, first_block, [self.caches[layer].index_select(0, ids)
-                                               for layer in range(self.num_layers)], room_blocks, most_blocks)
+                                               for layer in range(self.num_layers)], room_blocks, most_blocks,
+                         reach_blocks)
 
     @torch.inference_mode()
     def add_history(self, req_id: str, first_block: int, pages: list[torch.Tensor], room_blocks: int = 0,
-                    most_blocks: int = 0) -> None:
+                    most_blocks: int = 0, reach_blocks: int = 0) -> None:
         """Pages ``[n, H, 2 bs, D]`` per layer of blocks ``first_block...`` (from the
         engine's cache, or loaded from kvreel's tiers) join the request's history
-        (room for ``room_blocks`` reserved; ``most_blocks``: ``RequestHistory.append``)."""
+        (room for ``room_blocks`` reserved; ``most_blocks``: ``RequestHistory.append``;
+        ``reach_blocks``: the most it can reach, 0 where unknown)."""
         hist = self.histories.get(req_id)
         if hist is None:
             if first_block != 0:
@@ -205,6 +208,7 @@ class RetrievalRuntime:
                                                            self.head_dim, self.dtype, self.packing)
         if first_block != hist.num_blocks:
             raise ValueError(f"history of {req_id} holds {hist.num_blocks} blocks, got blocks from {first_block}")
+        hist.reach_blocks = max(hist.reach_blocks, reach_blocks)
         # unless it is all kept, the DRE's tables grow with the history: its clusters narrow long ones
         client = self.dre.client() if self.clusters_for(hist, extra=pages[0].shape[0]) else None
         first_token = max(first_block, 1) * self.block_size
@@ -226,8 +230,12 @@ class RetrievalRuntime:
 
     def clusters_for(self, hist: RequestHistory, extra: int = 0) -> bool:
         """Whether this request's history needs the DRE's clusters: they narrow it
-        now, or will before it is twice as long (so they are ready in time)."""
+        now, or will before it is twice as long (so they are ready in time), if it
+        can grow that long (the most its request can reach, where the scheduler
+        said): a request that never reaches the narrowing length keeps the DRE idle."""
         blocks = 2 * (hist.num_blocks + extra)
+        if hist.reach_blocks:
+            blocks = min(blocks, max(hist.reach_blocks, hist.num_blocks + extra))
         return self.cfg.retrieval_narrowing == "clusters" and not self.exact_for(hist, extra) and \
             narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks), (blocks - 1) * self.block_size)
 
