@@ -183,6 +183,60 @@ def test_shared_memory_descriptors_are_checked():
         take_tensor({"at": 4, "shape": [2], "dtype": "float32"}, bytes(8))
 
 
+def _segments(pid: int | None = None) -> set[str]:
+    import glob
+    import os
+    return {os.path.basename(p) for p in glob.glob(f"/dev/shm/kvreel-dre-*-{pid or ''}*")}
+
+
+def test_segments_left_by_a_process_that_died_are_discarded_by_the_next_dre_start(tmp_path):
+    """A worker or DRE killed with messages in flight leaves their shared memory
+    behind (it would hold that memory until the host restarts): starting a DRE
+    unlinks the segments whose creator is gone, and only those."""
+    import os
+    import subprocess
+    import sys
+    from multiprocessing import shared_memory
+
+    from kvreel.connector.retrieval.dre_wire import discard_orphaned_segments
+    dead = subprocess.run([sys.executable, "-c", "import os, torch\n"
+                           "from kvreel.connector.retrieval.dre_wire import put_tensor\n"
+                           "print(put_tensor(torch.arange(1000))['shm'], os.getpid(), flush=True); os._exit(0)"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert dead[0] in _segments(int(dead[1]))                      # left behind
+    mine = put_tensor(torch.arange(8))["shm"]
+    elsewhere = shared_memory.SharedMemory(name=f"kvreel-dre-1-{dead[1]}-{'0' * 16}", create=True, size=8)
+    try:
+        proc = DREProcess(str(tmp_path / "dre.sock"))
+        proc.start().close()
+        proc.stop()
+        names = _segments()
+        assert dead[0] not in names
+        assert mine in names                   # its creator is alive: its receiver may still take it
+        assert elsewhere.name in names         # another PID namespace's: its pids are not ours to judge
+        assert discard_orphaned_segments(also=os.getpid()) >= 1 and mine not in _segments()
+    finally:
+        elsewhere.close()
+        elsewhere.unlink()
+
+
+def test_a_request_the_dre_never_took_leaves_no_shared_memory(dre):
+    """A DRE that dies before it reads a request: the request fails, and the
+    segments that carried its tensors are unlinked by the worker."""
+    import os
+    import signal
+    proc, client = dre
+    os.kill(proc.proc.pid, signal.SIGSTOP)                 # it reads nothing more
+    before = _segments(os.getpid())
+    fut = client.submit("cluster", handle="gone", keys=data())
+    sent = _segments(os.getpid()) - before
+    assert len(sent) == 1
+    proc.proc.kill()
+    with pytest.raises(DREError, match="died"):
+        fut.result(30)
+    assert not sent & _segments(os.getpid())
+
+
 def test_mosaic_tables_label_what_the_index_holds_in_process(dre):
     from kvreel.connector.retrieval.mosaic import MosaicSession
     _, client = dre

@@ -12,8 +12,9 @@ import threading
 import time
 from concurrent.futures import Future
 
-from kvreel.connector.retrieval.dre_wire import (DREError, connect, decode_tensors, encode_tensors, ipc_namespace,
-                                                 proof, recv_msg, send_msg)
+from kvreel.connector.retrieval.dre_wire import (DREError, connect, decode_tensors, discard_orphaned_segments,
+                                                 discard_segments, encode_tensors, ipc_namespace, proof, recv_msg,
+                                                 segment_names, send_msg)
 from kvreel.connector.retrieval.resv import HASH_BITS
 
 
@@ -23,7 +24,7 @@ class DREClient:
     def __init__(self, address: str, secret: bytes | None = None, connect_timeout: float = 5.0):
         self.sock = connect(address, connect_timeout)
         self._lock = threading.Lock()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, tuple[Future, list[str]]] = {}     # id -> its reply, its segments
         self._next = 0
         self.alive = True
         hello, _ = recv_msg(self.sock)
@@ -42,17 +43,20 @@ class DREClient:
     def submit(self, op: str, **fields) -> Future:
         fut: Future = Future()
         msg, blob = encode_tensors({"op": op, **fields, "inline": self.inline}, self.inline)
+        segments = segment_names(msg)            # the DRE unlinks them as it reads; if it never does, we do
         with self._lock:
             if not self.alive:
+                discard_segments(segments)
                 fut.set_exception(DREError("the DRE service is gone"))
                 return fut
             msg["id"] = self._next
-            self._pending[self._next] = fut
+            self._pending[self._next] = fut, segments
             self._next += 1
             try:
                 send_msg(self.sock, msg, blob)
             except OSError as e:
                 self._pending.pop(msg["id"], None)
+                discard_segments(segments)
                 fut.set_exception(DREError(f"the DRE service is unreachable: {e}"))
         return fut
 
@@ -61,7 +65,7 @@ class DREClient:
             while True:
                 reply, blob = recv_msg(self.sock)
                 with self._lock:
-                    fut = self._pending.pop(reply.get("id"), None)
+                    fut, _ = self._pending.pop(reply.get("id"), (None, None))
                 if fut is None:
                     continue
                 if not reply.get("ok"):
@@ -73,7 +77,8 @@ class DREClient:
         with self._lock:
             self.alive = False
             pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut, segments in pending.values():
+            discard_segments(segments)          # those the DRE never took
             fut.set_exception(DREError("the DRE service died"))
 
     def close(self) -> None:
@@ -92,6 +97,7 @@ class DREProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> DREClient:
+        discard_orphaned_segments()             # what a worker or DRE that died here left in flight
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         if self.secret:
             env["KVREEL_DRE_SECRET_HEX"] = self.secret.hex()

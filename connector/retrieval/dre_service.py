@@ -43,8 +43,9 @@ import sys
 
 import torch
 
-from kvreel.connector.retrieval.dre_wire import (MAX_TENSOR_BYTES, DREError, decode_tensors, encode_tensors,
-                                                 ipc_namespace, is_private, listen, proof, recv_msg, send_msg)
+from kvreel.connector.retrieval.dre_wire import (MAX_TENSOR_BYTES, DREError, decode_tensors,
+                                                 discard_orphaned_segments, encode_tensors, ipc_namespace, is_private,
+                                                 listen, proof, recv_msg, send_msg)
 from kvreel.connector.retrieval.mosaic import MosaicSession
 from kvreel.connector.retrieval.resv import HASH_BITS, Clusters, cluster_keys, extend_clusters, hyperplanes
 
@@ -135,6 +136,7 @@ class DREService:
             ready = sel.select(timeout=1.0)
             if parent_pid is not None and os.getppid() != parent_pid:
                 logger.warning("kvreel DRE: parent process %d is gone; exiting", parent_pid)
+                discard_orphaned_segments(also=os.getpid())      # its requests and our replies, unread
                 return
             for key, _ in ready:
                 if key.fileobj is listener:

@@ -7,6 +7,7 @@ a shared secret, a connection must first prove it (HMAC of a server nonce)."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -33,21 +34,80 @@ class DREError(RuntimeError):
 # -- shared memory -------------------------------------------------------------
 
 SHM_PREFIX = "kvreel-dre-"
-_SHM_NAME = re.compile(rf"^{SHM_PREFIX}\d+-[0-9a-f]{{16}}$")
+SHM_DIR = "/dev/shm"           # where Linux lists this IPC namespace's POSIX shared memory
+# kvreel-dre-<pid namespace>-<creator pid>-<random>: the creator is named so that its
+# segments can be found once it is gone
+_SHM_NAME = re.compile(rf"^{SHM_PREFIX}(\d+)-(\d+)-[0-9a-f]{{16}}$")
+
+
+@functools.cache
+def _pid_namespace() -> str:
+    try:
+        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
+    except OSError:
+        return "0"
 
 
 def put_tensor(t: torch.Tensor) -> dict:
     """Copy a tensor into a new shared-memory segment; its descriptor (the
     receiver copies it out and unlinks the segment)."""
     arr = t.detach().cpu().contiguous().numpy()
-    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", create=True,
-                                     size=max(1, arr.nbytes))
+    shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}",
+                                     create=True, size=max(1, arr.nbytes))
     np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
     desc = {"shm": shm.name, "shape": list(arr.shape), "dtype": arr.dtype.name}
     # the receiver unlinks it; stop this process's tracker from unlinking it again at exit
     resource_tracker.unregister(shm._name, "shared_memory")
     shm.close()
     return desc
+
+
+def segment_names(msg: dict) -> list[str]:
+    """The shared-memory segments an encoded message hands its receiver."""
+    return [v["shm"] for v in msg.values() if isinstance(v, dict) and "shm" in v]
+
+
+def discard_segments(names: list[str]) -> None:
+    """Unlink segments that their receiver will never take (it is gone, or the
+    message was never sent): each holds memory until unlinked."""
+    for name in names:
+        try:
+            shm = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:           # taken after all
+            continue
+        shm.close()
+        shm.unlink()
+
+
+def discard_orphaned_segments(also: int | None = None) -> int:
+    """Unlink the segments whose creator (in this PID namespace) is gone, and, with
+    ``also``, those of that process (a DRE that exits with replies unread): a worker
+    or a DRE that dies with messages in flight leaves them behind, holding memory
+    until the host restarts. How many were unlinked."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    here, orphans = _pid_namespace(), []
+    for name in names:
+        m = _SHM_NAME.match(name)
+        if m is None or m.group(1) != here:
+            continue
+        pid = int(m.group(2))
+        if pid == also or not _alive(pid):
+            orphans.append(name)
+    discard_segments(orphans)
+    return len(orphans)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                 # alive, another user's
+        return True
+    return True
 
 
 def inline_tensor(t: torch.Tensor, blob: bytearray) -> dict:
