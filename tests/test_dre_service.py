@@ -186,7 +186,7 @@ def test_shared_memory_descriptors_are_checked():
 def _segments(pid: int | None = None) -> set[str]:
     import glob
     import os
-    return {os.path.basename(p) for p in glob.glob(f"/dev/shm/kvreel-dre-*-{pid or ''}*")}
+    return {os.path.basename(p) for p in glob.glob(f"/dev/shm/kvreel-dre-*-{pid}-*" if pid else "/dev/shm/kvreel-dre-*")}
 
 
 def test_segments_left_by_a_process_that_died_are_discarded_by_the_next_dre_start(tmp_path):
