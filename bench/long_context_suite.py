@@ -17,7 +17,9 @@ sets held (kvreel's counters), and the held-out prefill's wall time
 setting N times round-robin: times are medians with every run kept, and each
 setting records whether its answers matched its first run's. Results are
 written after every engine; a run of the same commit and settings that was
-interrupted goes on where it stopped. Each run hands its engines its cases
+interrupted goes on where it stopped, and full attention (plain vLLM, no
+kvreel code) is kept from a run of any commit with the same settings, inputs
+and vLLM version, its own commit recorded beside it. Each run hands its engines its cases
 from a folder of its own, so two suites (other names) can run side by side,
 each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0`` and ``=1``), where
 only answers are wanted.
@@ -31,6 +33,7 @@ SmolLM2-135M comes from the PyPI GGUF (Q4_1, dequantized to bf16;
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -119,7 +122,9 @@ def main() -> None:
     name = a.name or f"long_context_suite_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
                                            "held_out_tokens", "seed", "dtype", "runs")}
-    results = resumed(name, settings)
+    inputs_sha256 = hashlib.sha256(json.dumps([[c.prompt_ids for c in cases], held_out]).encode()).hexdigest()
+    import vllm
+    results = resumed(name, settings, [c.tokens for c in cases], inputs_sha256, vllm.__version__)
     with scratch("kvreel-long-context-suite-") as tmp:
         work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
         work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
@@ -129,7 +134,7 @@ def main() -> None:
         for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
             for label, method, env in configs:
                 if results.get(label, {}).get("runs", 0) > run:
-                    print(f"== {label}, run {run + 1}: kept from the interrupted run of this commit", flush=True)
+                    print(f"== {label}, run {run + 1}: kept from commit {results[label]['commit']}", flush=True)
                     continue
                 print(f"== {label}, run {run + 1} of {a.runs}", flush=True)
                 got = engine_in_subprocess(__file__, {**engine_args, "kvreel": method is not None},
@@ -139,7 +144,7 @@ def main() -> None:
                 summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"),
                                     method, env)
                 if run == 0:
-                    results[label] = {**summary, "runs": 1, "same_as_first_run": True,
+                    results[label] = {**summary, "commit": commit(), "runs": 1, "same_as_first_run": True,
                                       "cases_wall_s_runs": [got["cases_s"]],
                                       "held_out_wall_s_runs": [got["held_out_s"]]}
                 else:
@@ -153,8 +158,8 @@ def main() -> None:
                 r["cases_wall_s"], r["held_out_wall_s"] = (statistics.median(r["cases_wall_s_runs"]),
                                                            statistics.median(r["held_out_wall_s_runs"]))
                 print(json.dumps({k: v for k, v in r.items() if k not in ("per_case", "top1")}), flush=True)
-                import vllm
                 path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                                   "inputs_sha256": inputs_sha256,
                                    "complete": all(results.get(c[0], {}).get("runs", 0) == a.runs for c in configs),
                                    "case_tokens": [c.tokens for c in cases], "results": results})
                 print(f"wrote {path}")
@@ -183,15 +188,23 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "top1": got["top1"] if method is None else None}
 
 
-def resumed(name: str, settings: dict) -> dict:
-    """The configurations an interrupted run of this commit, with these settings, already measured."""
+def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: str, vllm_version: str) -> dict:
+    """What an earlier run already measured: every configuration where that run was
+    interrupted on this commit, else full attention alone (plain vLLM runs no
+    kvreel code) where the settings, inputs and vLLM version are the same."""
     path = RESULTS / f"{name}.json"
-    if not path.exists():
+    if not path.exists() or "+changes" in commit():
         return {}
     old = json.loads(path.read_text())
-    if old.get("commit") != commit() or old.get("settings") != settings or "+changes" in commit():
+    # a file from before the inputs' digest was recorded is matched on its cases' token counts
+    same_inputs = (old.get("inputs_sha256", inputs_sha256) == inputs_sha256 and old.get("case_tokens") == case_tokens
+                   and len(old["results"].get("full attention", {}).get("top1") or []) == settings["held_out_tokens"])
+    if old.get("settings") != settings or old.get("vllm") != vllm_version or not same_inputs:
         return {}
-    return old["results"]
+    results = {label: {"commit": old["commit"], **r} for label, r in old["results"].items()}
+    if old["commit"] == commit():
+        return results
+    return {"full attention": results["full attention"]}
 
 
 def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: int, model: str) -> None:
