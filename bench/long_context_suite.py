@@ -18,11 +18,11 @@ setting N times round-robin: times are medians with every run kept, and each
 setting records whether its answers matched its first run's. Results are
 written after every engine; a run of the same commit and settings that was
 interrupted goes on where it stopped, and full attention (plain vLLM, no
-kvreel code) is kept from a run of any commit with the same settings, inputs
-and vLLM version, its own commit recorded beside it. Each run hands its
-engines its cases from a folder of its own, so two suites (other names) can
-run side by side, each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0``
-and ``=1``), where only answers are wanted.
+kvreel code) is kept from a run of any commit with the same settings, inputs,
+vLLM version and CPU (its vector ISA), its own commit and machine recorded
+beside it. Each run hands its engines its cases from a folder of its own, so
+two suites (other names) can run side by side, each on a core of its own
+(``VLLM_CPU_OMP_THREADS_BIND=0`` and ``=1``), where only answers are wanted.
 
     python bench/long_context_suite.py --model models/smollm2-135m
 
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, RESULTS, commit, engine_in_subprocess, engine_or_main, plot_agreement,  # noqa: E402
-                    python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
+from common import (CONNECTOR, RESULTS, commit, engine_in_subprocess, engine_or_main, machine,  # noqa: E402
+                    plot_agreement, python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
@@ -124,7 +124,8 @@ def main() -> None:
                                            "held_out_tokens", "seed", "dtype", "runs")}
     inputs_sha256 = hashlib.sha256(json.dumps([[c.prompt_ids for c in cases], held_out]).encode()).hexdigest()
     import vllm
-    results = resumed(name, settings, [c.tokens for c in cases], inputs_sha256, vllm.__version__)
+    here = machine()
+    results = resumed(name, settings, [c.tokens for c in cases], inputs_sha256, vllm.__version__, here)
     with scratch("kvreel-long-context-suite-") as tmp:
         work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
         work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
@@ -144,7 +145,8 @@ def main() -> None:
                 summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"),
                                     method, env)
                 if run == 0:
-                    results[label] = {**summary, "commit": commit(), "runs": 1, "same_as_first_run": True,
+                    results[label] = {**summary, "commit": commit(), "machine": here, "runs": 1,
+                                      "same_as_first_run": True,
                                       "cases_wall_s_runs": [got["cases_s"]],
                                       "held_out_wall_s_runs": [got["held_out_s"]]}
                 else:
@@ -188,10 +190,12 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "top1": got["top1"] if method is None else None}
 
 
-def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: str, vllm_version: str) -> dict:
+def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: str, vllm_version: str,
+            here: dict) -> dict:
     """What an earlier run already measured: every configuration where that run was
     interrupted on this commit, else full attention alone (plain vLLM runs no
-    kvreel code) where the settings, inputs and vLLM version are the same."""
+    kvreel code) where the settings, inputs, vLLM version and CPU are the same
+    (vLLM's CPU kernels differ by vector ISA, which can move near ties)."""
     path = RESULTS / f"{name}.json"
     if not path.exists() or "+changes" in commit():
         return {}
@@ -201,10 +205,12 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
                    and len(old["results"].get("full attention", {}).get("top1") or []) == settings["held_out_tokens"])
     if old.get("settings") != settings or old.get("vllm") != vllm_version or not same_inputs:
         return {}
-    results = {label: {"commit": old["commit"], **r} for label, r in old["results"].items()}
-    if old["commit"] == commit():
-        return results
-    return {"full attention": results["full attention"]}
+    results = {label: {"commit": old["commit"], "machine": old["machine"], **r}
+               for label, r in old["results"].items()}
+    kept = results if old["commit"] == commit() else {"full attention": results["full attention"]}
+    if any(r["machine"].get(k) != here.get(k) for r in kept.values() for k in ("cpu_isa", "bf16_products")):
+        return {}
+    return kept
 
 
 def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: int, model: str) -> None:
