@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, RESULTS, commit, engine_in_subprocess, engine_or_main, machine,  # noqa: E402
+from common import (CONNECTOR, RESULTS, STARTED_AT, engine_in_subprocess, engine_or_main, machine,  # noqa: E402
                     plot_agreement, python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
@@ -145,7 +145,7 @@ def main() -> None:
                 summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"),
                                     method, env)
                 if run == 0:
-                    results[label] = {**summary, "commit": commit(), "machine": here, "runs": 1,
+                    results[label] = {**summary, "commit": STARTED_AT, "machine": here, "runs": 1,
                                       "same_as_first_run": True,
                                       "cases_wall_s_runs": [got["cases_s"]],
                                       "held_out_wall_s_runs": [got["held_out_s"]]}
@@ -197,7 +197,7 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
     kvreel code) where the settings, inputs, vLLM version and CPU are the same
     (vLLM's CPU kernels differ by vector ISA, which can move near ties)."""
     path = RESULTS / f"{name}.json"
-    if not path.exists() or "+changes" in commit():
+    if not path.exists() or "+changes" in STARTED_AT:
         return {}
     old = json.loads(path.read_text())
     # a file from before the inputs' digest was recorded is matched on its cases' token counts
@@ -207,7 +207,7 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
         return {}
     results = {label: {"commit": old["commit"], "machine": old["machine"], **r}
                for label, r in old["results"].items()}
-    kept = results if old["commit"] == commit() else {"full attention": results["full attention"]}
+    kept = results if old["commit"] == STARTED_AT else {"full attention": results["full attention"]}
     if any(r["machine"].get(k) != here.get(k) for r in kept.values() for k in ("cpu_isa", "bf16_products")):
         return {}
     return kept
