@@ -204,6 +204,11 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.bind(connector_metadata)       # before the forward pass (loads may start after it)
 
+    def handle_preemptions(self, connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KVReelMetadata)
+            self._worker.before_writes(connector_metadata)     # before the step writes any block
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReelMetadata)

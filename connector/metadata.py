@@ -85,6 +85,7 @@ class KVReelMetadata(KVConnectorMetadata):
     evictions: dict[Tier, list[bytes]] = field(default_factory=dict)
     history: object | None = None      # retrieval's HistoryStep, when KVREEL_RETRIEVAL is on
     prefetches: list[tuple[bytes, Tier]] = field(default_factory=list)   # chunks to read into the host tier
+    written_blocks: set[int] = field(default_factory=set)   # blocks this step overwrites (any KV cache group)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -42,10 +43,17 @@ class KVReelWorker:
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-prefetch")
         self.reports = WorkerReports()
         self.retrieval = None           # the retrieval runtime (KVREEL_RETRIEVAL), imported only when on
+        # on a CPU engine a step's saves copy on a thread of their own, beside the model's cores,
+        # while the next step runs (until it writes their blocks: before_writes)
+        self._saver: ThreadPoolExecutor | None = None
+        self._saving: list[_SaveJob] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config,
                            max_batched_tokens: int) -> None:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
+        if not self.pages.is_cuda:      # CUDA saves copy on a side stream already (block_copy)
+            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-save",
+                                             initializer=run_beside_the_model)
         if self.cfg.retrieval != "off":
             from kvreel.connector.retrieval.runtime import RetrievalRuntime
             self.retrieval = RetrievalRuntime.get(self.cfg)
@@ -93,6 +101,10 @@ class KVReelWorker:
             self.retrieval.begin_step(meta.history.rows, meta.history.dropped)
 
     def start_load_kv(self, meta: KVReelMetadata) -> None:
+        self.before_writes(meta)
+        evicted = [key for keys in meta.evictions.values() for key in keys]
+        self._saved({*evicted, *(key for key, _ in meta.prefetches),
+                     *(p.key for op in meta.loads for p in op.pieces), *(p.key for op in meta.loads for p in op.history)})
         for tier, keys in meta.evictions.items():
             if tier in self.tiers:
                 for key in keys:
@@ -193,19 +205,53 @@ class KVReelWorker:
 
     # -- saves ---------------------------------------------------------------
     def wait_for_save(self, meta: KVReelMetadata) -> None:
+        """Store the step's chunks: at once on CUDA; on a CPU engine on the save
+        thread, while vLLM goes on to the next step."""
         assert self.pages is not None
         if self.retrieval is not None and meta.history is not None:
             for op in meta.history.appends:
                 self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks,
                                               op.most_blocks, op.reach_blocks)
-        for op in meta.stores:
+        if not meta.stores:
+            return
+        if self._saver is None:
+            self._save(meta.stores)
+            return
+        blocks = {b for op in meta.stores for ids in op.block_ids for b in ids}
+        self._wait_for(lambda job: job.future.done())          # forget those done (raising their bugs)
+        self._saving.append(_SaveJob(blocks, {op.key for op in meta.stores},
+                                     self._saver.submit(self._save, meta.stores)))
+
+    def _save(self, stores: list) -> None:
+        for op in stores:
             t0 = time.perf_counter()
             data = self.pages.gather(op.block_ids)
-            for tier in op.tiers:
-                if tier in self.tiers:
-                    self.tiers[tier].put(op.key, op.block_hashes, data)
+            for kind in op.tiers:
+                if (tier := self.tiers.get(kind)) is not None:
+                    tier.put(op.key, op.block_hashes, data)
             self.reports.count("save_seconds", time.perf_counter() - t0)
             self.reports.count("save_count")
+
+    def before_writes(self, meta: KVReelMetadata) -> None:
+        """vLLM's ``handle_preemptions``, before a step writes any block: saves
+        still copying blocks this step overwrites (freed and given to another
+        request, zeroed, or loaded into) finish first."""
+        self._wait_for(lambda job: not job.blocks.isdisjoint(meta.written_blocks))
+
+    def _saved(self, keys: set[bytes]) -> None:
+        """Saves of these chunks are done (before they are loaded, deleted or prefetched)."""
+        if keys:
+            self._wait_for(lambda job: not job.keys.isdisjoint(keys))
+
+    def _wait_for(self, needed) -> None:
+        """Wait for the pending saves ``needed`` names (re-raising a bug in one, never swallowing it)."""
+        pending = []
+        for job in self._saving:
+            if needed(job):
+                job.future.result()
+            else:
+                pending.append(job)
+        self._saving = pending
 
     # -- reporting -------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -236,6 +282,8 @@ class KVReelWorker:
         return self.reports.take_stats(self.every_tier)
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
         for fut in list(self._async.values()):
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
@@ -244,6 +292,33 @@ class KVReelWorker:
             self.fetcher.close()
         for tier in self.every_tier.values():
             tier.close()
+
+
+@dataclass
+class _SaveJob:
+    """One step's stores on the save thread: the blocks they read, their chunks' keys."""
+    blocks: set[int]
+    keys: set[bytes]
+    future: Future
+
+
+def run_beside_the_model() -> None:
+    """Move the calling thread off the model's cores. vLLM's CPU worker binds
+    its threads (and so this one, at first) to the cores it computes on, and
+    keeps one core per NUMA node back for a KV connector's transfers (vLLM's
+    ``discover_numa_topology``): the save thread runs there, within the cores
+    the engine may use (its parent's), or anywhere off the model's cores."""
+    from vllm.platforms import current_platform
+    model = os.sched_getaffinity(0)
+    try:
+        allowed = os.sched_getaffinity(os.getppid())
+    except OSError:
+        return
+    kept = {c for node in current_platform.discover_numa_topology() for c in node}
+    cores = (kept & allowed) - model or allowed - model
+    if cores:
+        os.sched_setaffinity(0, cores)      # 0: this thread only
+        logger.debug("kvreel: save thread on cores %s (the model on %s)", sorted(cores), sorted(model))
 
 
 class _RemoteRestore:

@@ -3,7 +3,14 @@
 The baseline for a reused prefix is vLLM itself serving the same number of
 cached tokens from its own prefix cache (a prefix-cache hit is not bitwise equal
 to a cold prefill); with no reuse it is plain vLLM. Token ids and logprobs are
-compared bit for bit (logprobs travel as float.hex)."""
+compared bit for bit (logprobs travel as float.hex).
+
+On some CPUs (oneDNN's AMX kernels on Intel Xeons) plain vLLM itself is not
+bit-reproducible from one fresh engine to the next for the longer prompts.
+Where kvreel's outputs differ from plain vLLM's, plain vLLM runs once more:
+if it reproduces itself, the difference is kvreel's and the test fails; if
+not, kvreel must agree as two plain engines do (same greedy tokens up to an
+exact tie, logprobs within bf16 rounding)."""
 
 from __future__ import annotations
 
@@ -21,22 +28,59 @@ P_BRANCH = P_LONG[:200] + tokens(150, 3)
 Q = [tokens(500, 10 + i) for i in range(4)]
 
 
-def assert_same(a: dict, b: dict) -> None:
-    assert a["token_ids"] == b["token_ids"]
-    assert a["logprobs"] == b["logprobs"]
-    assert a["num_cached_tokens"] == b["num_cached_tokens"]
+BF16_ROUNDING = 0.05         # a logprob near -7 in bf16 moves in steps of 2**-5
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"] \
+        and a["num_cached_tokens"] == b["num_cached_tokens"]
+
+
+def assert_close(a: dict, b: dict) -> None:
+    """``b`` generated what ``a`` did, but for bf16 rounding: every logprob of
+    the chosen tokens within BF16_ROUNDING, and where the greedy tokens part,
+    ``b``'s token was a tie for first place in ``a`` (the rest then differs)."""
+    for i, (ta, tb, sa, sb) in enumerate(zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"])):
+        la, lb = dict(sa), dict(sb)
+        if ta != tb:
+            assert tb in la and abs(float.fromhex(la[ta]) - float.fromhex(la[tb])) < BF16_ROUNDING, \
+                f"token {i}: {tb} where plain vLLM chose {ta} ({la})"
+            return
+        assert abs(float.fromhex(la[ta]) - float.fromhex(lb[tb])) < BF16_ROUNDING, f"token {i}: {la} vs {lb}"
+    assert len(a["token_ids"]) == len(b["token_ids"])
+
+
+def assert_same(plain_args: dict, plain: dict, reel: dict, plain_phases: list[int] | None = None) -> None:
+    """Every output of kvreel's phases is that of plain vLLM's phases (all, or
+    ``plain_phases``), bit for bit where plain vLLM reproduces itself (else as
+    close as two plain engines are)."""
+    def outputs(run: dict, phases) -> list[dict]:
+        return [o for i in phases for o in run["phases"][i]]
+
+    phases = plain_phases or range(len(plain["phases"]))
+    pairs = list(zip(outputs(plain, phases), outputs(reel, range(len(reel["phases"])))))
+    assert len(pairs) == len(outputs(reel, range(len(reel["phases"])))) == len(outputs(plain, phases))
+    if all(same(p, r) for p, r in pairs):
+        return
+    again = outputs(run_scenario(plain_args), phases)
+    reproducible = all(same(p, a) for (p, _), a in zip(pairs, again))
+    for n, (p, r) in enumerate(pairs):
+        assert p["num_cached_tokens"] == r["num_cached_tokens"], f"output {n}"
+        if reproducible:
+            assert p["token_ids"] == r["token_ids"], f"output {n}: plain vLLM reproduces itself, kvreel differs"
+            assert p["logprobs"] == r["logprobs"], f"output {n}: plain vLLM reproduces itself, kvreel differs"
+        else:
+            assert_close(p, r)
 
 
 def test_reuse_after_prefix_cache_reset_is_exact(tiny_model):
     batch = [P_LONG, P_SHORT, Q[0], P_BRANCH]
-    base = run_scenario({"model": tiny_model, "phases": [
-        {"prompts": [P_LONG]}, {"prompts": [P_SHORT]}, {"prompts": batch}]})
+    plain = {"model": tiny_model, "phases": [{"prompts": [P_LONG]}, {"prompts": [P_SHORT]}, {"prompts": batch}]}
+    base = run_scenario(plain)
     reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "256MiB"}, "phases": [
         {"prompts": [P_LONG]}, {"prompts": [P_SHORT]},
         {"before": "reset_prefix_cache", "prompts": batch}]})
-    for pb, pr in zip(base["phases"], reel["phases"]):
-        for b, r in zip(pb, pr):
-            assert_same(b, r)
+    assert_same(plain, base, reel)
     cached = [r["num_cached_tokens"] for r in reel["phases"][2]]
     assert cached == [576, 96, 0, 192]    # every full block below the last token
     m = reel["metrics"]
@@ -46,26 +90,24 @@ def test_reuse_after_prefix_cache_reset_is_exact(tiny_model):
 
 def test_reuse_after_eviction_from_tiny_kv_space(tiny_model):
     # 48 blocks of 32 tokens: the two 500-token prompts push P_LONG out of vLLM's cache.
-    base = run_scenario({"model": tiny_model, "num_blocks": 48, "phases": [
-        {"prompts": [P_LONG]}, {"prompts": [P_LONG]}]})
+    plain = {"model": tiny_model, "num_blocks": 48, "phases": [{"prompts": [P_LONG]}, {"prompts": [P_LONG]}]}
+    base = run_scenario(plain)
     reel = run_scenario({"model": tiny_model, "num_blocks": 48, "kvreel": {"cpu_bytes": "256MiB"}, "phases": [
         {"prompts": [P_LONG]}, {"prompts": [Q[0]]}, {"prompts": [Q[1]]}, {"prompts": [P_LONG]}]})
-    assert_same(base["phases"][0][0], reel["phases"][0][0])
-    assert_same(base["phases"][1][0], reel["phases"][3][0])
+    assert_same(plain, base, {"phases": [reel["phases"][0], reel["phases"][3]]})
     assert reel["phases"][3][0]["num_cached_tokens"] == 576
 
 
 def test_reuse_from_disk_after_engine_restart(tiny_model, tmp_path):
     disk = str(tmp_path / "disk")
     cfg = {"cpu_bytes": "64MiB", "disk_dir": disk}
-    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P_LONG, P_SHORT]},
-                                                         {"prompts": [P_LONG, P_SHORT]}]})
+    plain = {"model": tiny_model, "phases": [{"prompts": [P_LONG, P_SHORT]}, {"prompts": [P_LONG, P_SHORT]}]}
+    base = run_scenario(plain)
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P_LONG, P_SHORT]}]})
     files = glob.glob(f"{disk}/*/rank0/*/*.kvr")
     assert len(files) == 4          # P_LONG: chunks of 8+8+2 blocks; P_SHORT: 3 blocks
     again = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P_LONG, P_SHORT]}]})
-    for b, r in zip(base["phases"][1], again["phases"][0]):
-        assert_same(b, r)
+    assert_same(plain, base, again, plain_phases=[1])
     assert again["metrics"]["vllm:kvreel_lookup_hit_blocks_total|disk"] == 18 + 3
     assert "4 chunks found" in again["log"]
     assert reel["phases"][0][0]["num_cached_tokens"] == 0
@@ -78,7 +120,7 @@ def test_preemption_under_memory_pressure(tiny_model):
     Requests that were never preempted are bit-identical to plain vLLM. A
     resumed request gets *more* cached tokens from kvreel than plain vLLM keeps
     (which recomputes them), and a cache hit is not bitwise equal to a
-    recompute, so for those the greedy tokens must match and the logprobs agree
+    recompute, so for those the greedy tokens must match (up to an exact tie) and the logprobs agree
     within bf16 rounding; the bit-exact claim for equal cached counts is covered
     by the other tests."""
     prompts = [tokens(200, 20 + i) for i in range(6)]
@@ -89,11 +131,11 @@ def test_preemption_under_memory_pressure(tiny_model):
     assert reel["metrics"]["vllm:kvreel_lookup_hit_blocks_total|host"] > 0   # resumed from kvreel
     exact = 0
     for b, r in zip(base["phases"][0], reel["phases"][0]):
-        assert b["token_ids"] == r["token_ids"]
-        if b["logprobs"] == r["logprobs"]:
+        if b["token_ids"] == r["token_ids"] and b["logprobs"] == r["logprobs"]:
             exact += 1
-            continue
-        for tok, sb, sr in zip(b["token_ids"], b["logprobs"], r["logprobs"]):
-            lb, lr = dict(sb)[tok], dict(sr)[tok]
-            assert abs(float.fromhex(lb) - float.fromhex(lr)) < 0.05   # bf16 rounding
-    assert exact >= len(prompts) - reel["metrics"]["vllm:num_preemptions_total"]
+        else:
+            assert_close(b, r)
+    if exact < len(prompts) - reel["metrics"]["vllm:num_preemptions_total"]:
+        again = run_scenario({"model": tiny_model, **args})["phases"][0]
+        assert not all(same(b, a) for b, a in zip(base["phases"][0], again)), \
+            "plain vLLM reproduces itself, but kvreel changed requests that were never preempted"

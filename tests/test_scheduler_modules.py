@@ -130,3 +130,22 @@ def test_loads_plan_pieces_pin_their_chunks_and_release_them(tmp_path):
     assert zero.new_block_ids_to_zero == [53]                      # blocks the load overwrites whole
     loads.take_step()
     assert on_host.pins == 0                                       # a synchronous load unpins at once
+
+
+def test_a_prefix_from_vllms_cache_is_not_stored_again_but_counts_as_used(tmp_path):
+    s = store(tmp_path, host_chunks=2, disk=False)
+    loads = LoadPlanner(s, BS, blocking=False, loads_by_request=False)
+    saves = SavePlanner(KVReelConfig.load(env={"KVREEL_CHUNK_TOKENS": str(2 * BS)}), s, BS, BLOCK_BYTES,
+                        remote=False)
+    req = request(8, 6)
+    held, other = chunk(8), chunk(9)            # kvreel holds blocks 0-1 of the prefix; blocks 2-3 it evicted
+    for c in (held, other):
+        s.admit(c, HOST)
+        s.add(c)
+    st = RequestState(req, block_ids=([60, 61, 62, 63, 64, 65],))
+    assert loads.lookup(st, 4 * BS) == (0, False)       # vLLM's cache has blocks 0-3: nothing to load
+    assert st.saved_upto == st.cached_blocks == 4
+    assert list(s.host.lru) == [other.key, held.key]    # the held chunk of that prefix was used just now
+    saves.plan(st, computed_after=6 * BS)
+    assert [op.block_hashes for op in s.stores.values()] == [req.block_hashes[4:6]]     # only what it computed
+    assert s.evictions[HOST] == [other.key]             # room made from the chunk not used lately

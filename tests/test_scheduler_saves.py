@@ -73,3 +73,27 @@ def test_blocks_vllm_freed_are_never_read_for_a_store(tmp_path):
         assert stored_blocks(meta) == [[34], [35]]
     finally:
         LEDGER.release("long")
+
+
+def test_a_step_names_every_block_it_writes_and_none_it_only_reads(tmp_path):
+    """The worker copies a step's saves while the next step runs, until that
+    step writes one of their blocks: the scheduler names them all."""
+    sched = make_scheduler(tmp_path)
+    first, other = request("first", 1, 4), request("other", 2, 1)
+    for r in (first, other):
+        sched.get_num_new_matched_tokens(r, 0)
+    meta = sched.build_connector_meta(scheduler_output(
+        [new_request(first, [10, 11, 12, 13, 14], 0), new_request(other, [30, 31], 0)],
+        tokens={"first": 4 * BS + 5, "other": BS + 5}))
+    assert meta.written_blocks == {10, 11, 12, 13, 14, 30, 31}
+    assert stored_blocks(meta) == [[10, 11], [12, 13], [30]]
+    sched.request_finished(first)
+    again = request("again", 1, 4)                    # blocks 0-1 in vLLM's cache, 2-3 loaded from kvreel's host tier
+    assert sched.get_num_new_matched_tokens(again, 2 * BS) == (2 * BS, False)
+    sched.update_state_after_alloc(again, ([10, 11, 22, 23, 24],), 2 * BS)
+    step = scheduler_output([new_request(again, [10, 11, 22, 23, 24], 4 * BS)],
+                            cached=[(other, [40], BS + 5)], tokens={"again": 5, "other": 1})
+    step.new_block_ids_to_zero = [24, 40]
+    meta = sched.build_connector_meta(step)
+    assert meta.written_blocks == {22, 23, 24, 40}    # not 10, 11: read from vLLM's cache, never written
+    assert [p.block_ids[0] for op in meta.loads for p in op.pieces] == [[22, 23]]

@@ -2,6 +2,7 @@
 the CPU, a fake tier beside the real host tier, driven the way vLLM's model
 runner drives the connector each step."""
 
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -24,8 +25,11 @@ class FakeDisk(ChunkTier):
     def __init__(self):
         self.chunks, self.deleted = {}, []
         self.failed, self.changes, self.damaged = set(), TierChanges(), set()
+        self.gate: threading.Event | None = None        # set: writes wait for it
 
     def put(self, key, block_hashes, payload):
+        if self.gate is not None:
+            assert self.gate.wait(30)
         self.chunks[key] = payload.clone()
         return True
 
@@ -63,9 +67,15 @@ def worker_with_fake_disk(env=None):
     return worker, cache, disk
 
 
+def save(worker: KVReelWorker, *stores: StoreOp) -> None:
+    """A step's saves, then the next step about to write their blocks (so they are done)."""
+    worker.wait_for_save(KVReelMetadata(stores=list(stores)))
+    worker.before_writes(KVReelMetadata(written_blocks={b for op in stores for ids in op.block_ids for b in ids}))
+
+
 def test_a_chunk_saved_to_two_tiers_loads_back_into_other_blocks_byte_for_byte():
     worker, cache, disk = worker_with_fake_disk()
-    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32, b"b" * 32], ([3, 9],), {Tier.HOST, Tier.DISK})]))
+    save(worker, StoreOp(KEY, [b"a" * 32, b"b" * 32], ([3, 9],), {Tier.HOST, Tier.DISK}))
     assert torch.equal(disk.chunks[KEY], cache[:, [3, 9]])
     assert torch.equal(worker.tiers[Tier.HOST].get(KEY), cache[:, [3, 9]])
     saved = cache[:, [3, 9]].clone()
@@ -94,7 +104,7 @@ def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
     meta = worker.take_worker_meta()
     assert meta.failed_writes == {Tier.DISK: {KEY}} and meta.tiers_off == {Tier.DISK: "No space left on device"}
     assert Tier.DISK not in worker.tiers
-    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32], ([4],), {Tier.HOST, Tier.DISK})]))
+    save(worker, StoreOp(KEY, [b"a" * 32], ([4],), {Tier.HOST, Tier.DISK}))
     assert KEY not in disk.chunks                              # off: nothing written to it
     worker.start_load_kv(KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 0, ([8],))], False)]))
     assert worker.take_load_errors() == {8}
@@ -107,7 +117,7 @@ def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
 def test_a_remote_prefetch_goes_through_the_fetch_controller_into_host_memory(tmp_path):
     worker, cache, _ = worker_with_fake_disk({"KVREEL_REMOTE_URL": f"file://{tmp_path}"})
     try:
-        worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32, b"b" * 32], ([2, 5],), {Tier.REMOTE})]))
+        save(worker, StoreOp(KEY, [b"a" * 32, b"b" * 32], ([2, 5],), {Tier.REMOTE}))
         assert worker.tiers[Tier.REMOTE].flush(60)
         worker.start_load_kv(KVReelMetadata(prefetches=[(KEY, Tier.REMOTE), (b"\x09" * 32, Tier.REMOTE)]))
         worker._prefetcher.submit(lambda: None).result(timeout=60)          # the prefetches before it are done
@@ -118,3 +128,36 @@ def test_a_remote_prefetch_goes_through_the_fetch_controller_into_host_memory(tm
         assert sum(fetches.values()) == 2                    # both tried (in whichever form), counted as loads are
     finally:
         worker.shutdown()
+
+
+def test_saves_copy_while_the_next_step_runs_until_it_writes_their_blocks():
+    worker, cache, disk = worker_with_fake_disk()
+    disk.gate = threading.Event()
+    first, second = KEY, b"\x08" * 32
+    before = cache[:, 9].clone()
+    # one step's two saves: the first waits on the disk, the second copies block 9 after it
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(first, [b"a" * 32], ([3],), {Tier.DISK}),
+                                                StoreOp(second, [b"b" * 32], ([9],), {Tier.HOST})]))
+    worker.before_writes(KVReelMetadata(written_blocks={4, 10}))     # the next step writes other blocks: no wait
+    assert first not in disk.chunks and second not in worker.tiers[Tier.HOST]._chunks
+    threading.Timer(0.3, disk.gate.set).start()
+    worker.before_writes(KVReelMetadata(written_blocks={9}))          # it writes block 9: the saves finish first
+    cache[:, 9] = 0
+    assert torch.equal(worker.tiers[Tier.HOST].get(second)[:, 0], before)
+    assert torch.equal(disk.chunks[first], cache[:, [3]])
+    worker.shutdown()
+
+
+def test_a_chunk_still_being_saved_is_loaded_and_deleted_only_once_stored():
+    worker, cache, disk = worker_with_fake_disk()
+    disk.gate = threading.Event()
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32], ([3],), {Tier.DISK})]))
+    threading.Timer(0.3, disk.gate.set).start()
+    worker.start_load_kv(KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.DISK, 0, ([20],))], False)]))
+    assert worker.take_load_errors() == set() and torch.equal(cache[:, 20], cache[:, 3])
+    disk.gate.clear()
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(b"\x08" * 32, [b"b" * 32], ([5],), {Tier.DISK})]))
+    threading.Timer(0.3, disk.gate.set).start()
+    worker.start_load_kv(KVReelMetadata(evictions={Tier.DISK: [b"\x08" * 32]}))
+    assert disk.deleted == [b"\x08" * 32] and b"\x08" * 32 not in disk.chunks     # deleted after it was written
+    worker.shutdown()

@@ -148,11 +148,32 @@ class KVReelScheduler:
             self.saves.plan(st, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id])
         self._account_histories()
         self.loads.plan_promotions()
+        written = self._written_blocks(scheduler_output)
         self.loads.skip_zeroing(scheduler_output)
         prefetches = self.prefetch.plan() if self.prefetch is not None else []
         stores, evictions = self.store.take_step()
         return KVReelMetadata(self.loads.take_step(), stores, evictions,
-                              self.history.take_step() if self.history is not None else None, prefetches)
+                              self.history.take_step() if self.history is not None else None, prefetches, written)
+
+    def _written_blocks(self, scheduler_output) -> set[int]:
+        """Every block the step may write: those vLLM zeroes, those it gave a
+        request this step (fresh, or freed by another) and those kvreel loads
+        into; not the prefix blocks a request found in vLLM's cache, which it
+        only reads. A save still copying one of them must finish first (the
+        worker's ``before_writes``)."""
+        written = set(scheduler_output.new_block_ids_to_zero or ())
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            for ids in new.block_ids:
+                written.update(ids[st.cached_blocks if st else 0:])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            resumed = req_id in cached.resumed_req_ids
+            for ids in cached.new_block_ids[i] or ():
+                written.update((ids or ())[st.cached_blocks if resumed and st else 0:])
+        written.update(b for op in self.loads.loads for p in op.pieces for ids in p.block_ids for b in ids)
+        return written
 
     def _account_histories(self) -> None:
         """Offloaded histories live in the worker's host memory, beside the host

@@ -133,6 +133,11 @@ class ChunkStore:
         for row, h in enumerate(chunk.block_hashes):
             self.index[h] = BlockRef(chunk, row)
 
+    def touch(self, chunk: Chunk) -> None:
+        """``chunk`` was used just now: the last of its tiers' copies to go."""
+        for budget in self.budgets.values():
+            budget.touch(chunk)
+
     def indexed(self, chunk: Chunk) -> bool:
         return self.holder(chunk.block_hashes[-1]) is chunk
 

@@ -41,6 +41,7 @@ class LoadPlanner:
             for h in hashes[:n]:
                 index[h].chunk.used_by(st.user)
         start = num_computed_tokens // bs
+        self._cached_by_vllm(st, start)
         n = max(n, start)               # blocks below `start` are in vLLM's own cache already
         local_end = n
         st.pending = None
@@ -71,6 +72,20 @@ class LoadPlanner:
         needs_async = n > local_end or skip > 0 or self.loads_by_request or \
             any(HOST not in index[h].chunk.tiers for h in hashes[start:local_end])
         return (n - start) * bs, needs_async and not self.blocking
+
+    def _cached_by_vllm(self, st: RequestState, start: int) -> None:
+        """Blocks ``[0, start)`` came from vLLM's own cache: they were stored
+        when first computed, so they are not stored again (a multi-turn chat
+        would otherwise copy its whole history every turn, wherever kvreel
+        evicted it); the chunks kvreel holds of them count as used now, so a
+        prefix vLLM keeps hitting stays in kvreel's tiers too."""
+        st.saved_upto = st.cached_blocks = start
+        index, last = self.store.index, None
+        for h in st.request.block_hashes[:start]:
+            ref = index.get(h)
+            if ref is not None and ref.chunk is not last:
+                last = ref.chunk
+                self.store.touch(last)
 
     # -- vLLM allocated the blocks ----------------------------------------------------------
     def plan(self, st: RequestState, block_ids: GroupBlockIds, num_external_tokens: int) -> None:
@@ -123,8 +138,7 @@ class LoadPlanner:
         if chunk not in chunks:
             chunks.append(chunk)
             chunk.pins += 1
-            for budget in self.store.budgets.values():
-                budget.touch(chunk)
+            self.store.touch(chunk)
             if chunk.prefetched and tier == HOST:
                 chunk.prefetched = False
                 self.store.stats.add("prefetches", label="used")

@@ -21,6 +21,7 @@ class RequestState:
     request: object
     block_ids: GroupBlockIds = ()                    # per KV cache group, position by position
     saved_upto: int = 0          # blocks below this are stored (or were skipped)
+    cached_blocks: int = 0       # blocks vLLM found in its own cache when it scheduled the request
     pending: PendingLoad | None = None               # a lookup's finding, until its blocks are allocated
     load: tuple[int, set[int]] | None = None         # (first block, block ids of group 0) of its load in flight
     counted_lookup: bool = False

@@ -39,7 +39,7 @@ class HostTier(ChunkTier):
     @property
     def nbytes(self) -> int:
         """Bytes of the payloads held."""
-        return sum(t.nbytes for t in self._chunks.values())
+        return sum(t.nbytes for t in list(self._chunks.values()))    # a copy: the save thread adds
 
     def close(self) -> None:
         self._chunks.clear()
