@@ -274,7 +274,7 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request, block_ids):
         self._scheduler.request_finished(request)
-        return False, None       # every block was stored in the step that computed it: nothing to wait for
+        return False, None       # a step's saves are copied before vLLM writes their blocks again: nothing to wait for
 
     def request_finished_all_groups(self, request, block_ids):
         return self.request_finished(request, block_ids)
