@@ -32,8 +32,10 @@ for LMCache's L1 and kvreel's host tier):
   ``kvreel-host``;
 * memory + disk: ``lmcache-disk`` (L1 + its filesystem L2, as its docs
   recommend) against ``kvreel-disk`` (host + disk tier);
-* optional: ``lmcache+kvreel`` (kvreel as LMCache's L2 adapter, files) and
-  ``kvreel-redis`` (host + Redis).
+* optional: ``lmcache+kvreel`` (kvreel as LMCache's L2 adapter, files),
+  ``kvreel-redis`` (host + Redis), and ``kvreel-host-step`` /
+  ``kvreel-ceiling-step``: kvreel copying its saves inside the step
+  (``KVREEL_SAVE_COPY=step``) instead of on its save thread.
 
 LMCache runs engine-driven transfers (vLLM's CPU build has no CUDA IPC). Every
 (configuration, workload, run) gets fresh servers; runs go round-robin over the
@@ -64,7 +66,7 @@ from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
 CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host", "lmcache-disk", "kvreel-disk",
-           "lmcache+kvreel", "kvreel-redis")
+           "lmcache+kvreel", "kvreel-redis", "kvreel-host-step", "kvreel-ceiling-step")
 EQUAL_TERMS = CONFIGS[:7]
 WORKLOADS = ("prefix_repetition", "multi_turn")
 NO_REUSE = "no_reuse"   # vLLM's random dataset: what kvreel's saves cost a request that reuses nothing
@@ -127,6 +129,8 @@ def served_config(name: str, a, work: Path) -> tuple[dict | None, dict, list]:
                     "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
         return transfer, {}, [server]
     env = {"KVREEL_CPU_BYTES": str(a.host_bytes)}
+    if name.endswith("-step"):
+        env["KVREEL_SAVE_COPY"] = "step"
     side = []
     if name == "kvreel-disk":
         env["KVREEL_DISK_DIR"] = str(work / "kvreel-disk")
@@ -185,7 +189,7 @@ def prefix_counters(base: str) -> dict[str, float]:
 def run_config(name: str, a, work: Path, workload: str, wargs: list[str]) -> dict:
     """One run of one configuration on one workload, on fresh servers."""
     transfer, env, side = served_config(name, a, work)
-    blocks = a.ceiling_blocks if name.endswith("-ceiling") else a.kv_blocks
+    blocks = a.ceiling_blocks if name.removesuffix("-step").endswith("-ceiling") else a.kv_blocks
     try:
         server, base = start_vllm(a.model, blocks, transfer, env, work / f"{name}-{workload}-vllm.log",
                                   a.max_model_len, a.dtype)
@@ -316,7 +320,8 @@ def main() -> None:
                                        lambda c, w, where: run_config(c, a, where, w, all_workloads[w]))
     ratios, ttft_ratios = {}, {}
     pairs = [("kvreel-host", "lmcache-mem"), ("kvreel-disk", "lmcache-disk"), ("kvreel-host", "vllm"),
-             ("kvreel-disk", "vllm"), ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling")]
+             ("kvreel-disk", "vllm"), ("kvreel-host", "vllm-ceiling"), ("kvreel-ceiling", "vllm-ceiling"),
+             ("kvreel-host-step", "vllm"), ("kvreel-ceiling-step", "vllm-ceiling")]
     for w, by in results.items():
         for into, key in ((ratios, "request_throughput"), (ttft_ratios, "ttft_p50_ms")):
             med = {c: v["median"][key]["median"] for c, v in by.items()}

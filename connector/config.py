@@ -130,6 +130,11 @@ SETTINGS: tuple[Setting, ...] = (
                  "tokens (a multiple of the engine's block size).", 16, 1 << 20),
     _int_setting("DISK_WRITE_QUEUE", 64, "Chunks waiting for the background disk writer before new writes "
                  "are dropped (never blocking the forward pass).", 1, 1 << 16),
+    Setting("SAVE_COPY", str, "thread", "thread or step",
+            "Where a CPU engine copies the blocks a step computed out of vLLM's cache: thread (on a thread "
+            "beside the model's cores while the next step runs; that step waits for it only before writing a "
+            "block it still reads) or step (inside the step, on the model's cores). CUDA engines copy on a "
+            "side stream either way.", _one_of("thread", "step")),
     Setting("REMOTE_URL", _remote_url, None, "redis://[:password@]host:port/db, "
             "redis-cluster://[:password@]host:port[,host:port...] (any nodes of a Redis Cluster) or file:///path "
             "(unset: no remote tier)", "Shared remote tier; every engine of the same model reuses what any of them stored."),

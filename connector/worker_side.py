@@ -51,7 +51,7 @@ class KVReelWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config,
                            max_batched_tokens: int) -> None:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
-        if not self.pages.is_cuda:      # CUDA saves copy on a side stream already (block_copy)
+        if not self.pages.is_cuda and self.cfg.save_copy == "thread":   # CUDA: on a side stream (block_copy)
             self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-save",
                                              initializer=run_beside_the_model)
         if self.cfg.retrieval != "off":
@@ -102,9 +102,9 @@ class KVReelWorker:
 
     def start_load_kv(self, meta: KVReelMetadata) -> None:
         self.before_writes(meta)
-        evicted = [key for keys in meta.evictions.values() for key in keys]
-        self._saved({*evicted, *(key for key, _ in meta.prefetches),
-                     *(p.key for op in meta.loads for p in op.pieces), *(p.key for op in meta.loads for p in op.history)})
+        self._saved({*(key for keys in meta.evictions.values() for key in keys),
+                     *(key for key, _ in meta.prefetches),
+                     *(p.key for op in meta.loads for p in [*op.pieces, *op.history])})
         for tier, keys in meta.evictions.items():
             if tier in self.tiers:
                 for key in keys:

@@ -161,3 +161,9 @@ def test_a_chunk_still_being_saved_is_loaded_and_deleted_only_once_stored():
     worker.start_load_kv(KVReelMetadata(evictions={Tier.DISK: [b"\x08" * 32]}))
     assert disk.deleted == [b"\x08" * 32] and b"\x08" * 32 not in disk.chunks     # deleted after it was written
     worker.shutdown()
+
+
+def test_with_save_copy_step_a_save_is_done_when_its_step_ends():
+    worker, cache, disk = worker_with_fake_disk({"KVREEL_SAVE_COPY": "step"})
+    worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32], ([3],), {Tier.DISK})]))
+    assert worker._saver is None and torch.equal(disk.chunks[KEY], cache[:, [3]])     # no fence needed
