@@ -102,9 +102,7 @@ class KVReelWorker:
 
     def start_load_kv(self, meta: KVReelMetadata) -> None:
         self.before_writes(meta)
-        self._saved({*(key for keys in meta.evictions.values() for key in keys),
-                     *(key for key, _ in meta.prefetches),
-                     *(p.key for op in meta.loads for p in [*op.pieces, *op.history])})
+        self._saved_before_reads(meta)
         for tier, keys in meta.evictions.items():
             if tier in self.tiers:
                 for key in keys:
@@ -238,8 +236,13 @@ class KVReelWorker:
         request, zeroed, or loaded into) finish first."""
         self._wait_for(lambda job: not job.blocks.isdisjoint(meta.written_blocks))
 
-    def _saved(self, keys: set[bytes]) -> None:
-        """Saves of these chunks are done (before they are loaded, deleted or prefetched)."""
+    def _saved_before_reads(self, meta: KVReelMetadata) -> None:
+        """Saves of the chunks this step loads, deletes or prefetches are done first
+        (their keys gathered only while a save is pending: most steps have none)."""
+        if not self._saving:
+            return
+        keys = {*(key for keys in meta.evictions.values() for key in keys), *(key for key, _ in meta.prefetches),
+                *(p.key for op in meta.loads for p in [*op.pieces, *op.history])}
         if keys:
             self._wait_for(lambda job: not job.keys.isdisjoint(keys))
 

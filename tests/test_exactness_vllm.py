@@ -58,8 +58,9 @@ def assert_same(plain_args: dict, plain: dict, reel: dict, plain_phases: list[in
         return [o for i in phases for o in run["phases"][i]]
 
     phases = plain_phases or range(len(plain["phases"]))
-    pairs = list(zip(outputs(plain, phases), outputs(reel, range(len(reel["phases"])))))
-    assert len(pairs) == len(outputs(reel, range(len(reel["phases"])))) == len(outputs(plain, phases))
+    expected, got = outputs(plain, phases), outputs(reel, range(len(reel["phases"])))
+    assert len(expected) == len(got)
+    pairs = list(zip(expected, got))
     if all(same(p, r) for p, r in pairs):
         return
     again = outputs(run_scenario(plain_args), phases)
