@@ -69,10 +69,19 @@ def scratch(prefix: str):
 
 
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1: every socket stays bound until all
+    are picked, so the kernel cannot hand the same port out twice."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from contextlib import ExitStack
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def start_redis(tmp: str, port: int | None = None):
@@ -107,32 +116,57 @@ def wait_port(port: int, proc, what: str, timeout: float = 300, log: Path | None
 
 
 def start_redis_cluster(home: Path, masters: int = 3, replicas: int = 0, password: str | None = None,
-                        node_timeout_ms: int = 1000) -> dict:
+                        node_timeout_ms: int = 1000, tries: int = 3) -> dict:
     """A Redis Cluster of Debian's redis-server on loopback, made with ``redis-cli
     --cluster create``: {port: process} once every slot is served and every
-    replica has synced (only then can one take over). Stop it with ``stop_all``."""
-    import shutil
-    import subprocess
+    replica has synced (only then can one take over). Stop it with ``stop_all``.
+    A port taken by another process between picking and binding (a free port is
+    only free until someone binds it) costs a retry with new ports, ``tries`` at most."""
     exe, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if exe is None or cli is None:
         raise RuntimeError("redis-server / redis-cli are not installed (Debian package redis-server; "
                            "deploy/setup.sh installs it as root)")
+    for attempt in range(1, tries + 1):
+        try:
+            return _start_redis_cluster(exe, cli, home / f"try{attempt}", masters, replicas, password,
+                                        node_timeout_ms)
+        except _PortTaken:
+            if attempt == tries:
+                raise
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start_redis_cluster(exe: str, cli: str, home: Path, masters: int, replicas: int, password: str | None,
+                         node_timeout_ms: int) -> dict:
+    import subprocess
     auth = ["-a", password, "--no-auth-warning"] if password else []
+    count = masters * (1 + replicas)
+    ports = free_ports(2 * count)        # a client port and a bus port each; the default bus port, port + 10000, may be past 65535
     nodes: dict[int, subprocess.Popen] = {}
+    logs: dict[int, Path] = {}
     try:
-        for i in range(masters * (1 + replicas)):
-            port, node_home = free_port(), home / f"node{i}"
+        for i, (port, bus) in enumerate(zip(ports[:count], ports[count:])):
+            node_home = home / f"node{i}"
             node_home.mkdir(parents=True)
+            logs[port] = node_home / "redis.log"
             nodes[port] = subprocess.Popen(
                 [exe, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-port", str(free_port()),          # the default, port + 10000, may be past 65535
+                 "--cluster-port", str(bus), "--logfile", str(logs[port]),
                  "--cluster-node-timeout", str(node_timeout_ms), "--cluster-config-file", str(node_home / "nodes.conf"),
                  "--dir", str(node_home), "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
                  *(["--requirepass", password, "--masterauth", password] if password else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         for port, proc in nodes.items():
-            wait_port(port, proc, f"redis-server on port {port}", timeout=max(0.0, deadline - time.time()))
+            try:
+                wait_port(port, proc, f"redis-server on port {port}", timeout=max(0.0, deadline - time.time()))
+            except RuntimeError as e:
+                said = logs[port].read_text(errors="replace") if logs[port].exists() else ""
+                kind = _PortTaken if "Address already in use" in said else RuntimeError
+                raise kind(f"{e}: {said.strip().splitlines()[-1:] or 'no log'}") from None
         made = subprocess.run([cli, *auth, "--cluster", "create", *[f"127.0.0.1:{p}" for p in nodes],
                                "--cluster-replicas", str(replicas), "--cluster-yes"],
                               capture_output=True, text=True, timeout=60)
