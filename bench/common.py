@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvreel.connector.cli import CONNECTOR, free_port, free_ports  # noqa: F401  (re-exported for the benchmarks)
+
 RESULTS = Path(__file__).parent / "results"
 
 # vLLM on CPU keeps one core back for its scheduler process, and one more when a
@@ -23,9 +25,6 @@ RESULTS = Path(__file__).parent / "results"
 # choose another split).
 EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
-# vLLM's KVTransferConfig fields that attach kvreel to an engine
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
 
 
 def engine_env(env: dict | None = None, shell_kvreel: bool = True) -> dict[str, str]:
@@ -66,22 +65,6 @@ def scratch(prefix: str):
         print(f"kept {work} for its logs", file=sys.stderr)
         raise
     shutil.rmtree(work, ignore_errors=True)
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1: every socket stays bound until all
-    are picked, so the kernel cannot hand the same port out twice."""
-    import socket
-    from contextlib import ExitStack
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def start_redis(tmp: str, port: int | None = None):
@@ -166,7 +149,7 @@ def _start_redis_cluster(exe: str, cli: str, home: Path, masters: int, replicas:
             except RuntimeError as e:
                 said = logs[port].read_text(errors="replace") if logs[port].exists() else ""
                 kind = _PortTaken if "Address already in use" in said else RuntimeError
-                raise kind(f"{e}: {said.strip().splitlines()[-1:] or 'no log'}") from None
+                raise kind(f"{e}: {(said.strip().splitlines() or ['no log'])[-1]}") from None
         made = subprocess.run([cli, *auth, "--cluster", "create", *[f"127.0.0.1:{p}" for p in nodes],
                                "--cluster-replicas", str(replicas), "--cluster-yes"],
                               capture_output=True, text=True, timeout=60)

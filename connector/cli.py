@@ -28,15 +28,26 @@ from pathlib import Path
 from kvreel.codec.quant import QUANTS
 from kvreel.connector.serve import API_SERVER
 
-CONNECTOR_JSON = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-                             "kv_role": "kv_both"})
+# vLLM's KVTransferConfig fields that attach kvreel to an engine
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+CONNECTOR_JSON = json.dumps(CONNECTOR)
 
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for servers kvreel starts on loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1: every socket stays bound until all
+    are picked, so the kernel cannot hand the same port out twice."""
+    from contextlib import ExitStack
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 300) -> tuple[float, bytes]:

@@ -13,8 +13,7 @@ import os
 import sys
 import time
 
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
+from kvreel.connector.cli import CONNECTOR
 
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,
