@@ -26,7 +26,6 @@ RESULTS = Path(__file__).parent / "results"
 EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-
 def engine_env(env: dict | None = None, shell_kvreel: bool = True) -> dict[str, str]:
     """The environment of a benchmarked engine: this one (without its ``KVREEL_*``
     settings unless ``shell_kvreel``), the equal CPU split unless the shell set its
