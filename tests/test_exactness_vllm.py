@@ -50,22 +50,31 @@ def assert_close(a: dict, b: dict) -> None:
     assert len(a["token_ids"]) == len(b["token_ids"])
 
 
+PLAIN_ENGINES = 4     # plain vLLM engines at most, run only while kvreel's outputs are not all theirs
+
+
 def assert_same(plain_args: dict, plain: dict, reel: dict, plain_phases: list[int] | None = None) -> None:
     """Every output of kvreel's phases is that of plain vLLM's phases (all, or
-    ``plain_phases``), bit for bit where plain vLLM reproduces itself (else as
-    close as two plain engines are)."""
+    ``plain_phases``): bit for bit one that a plain engine gave, and where none
+    did, bit for bit if every plain engine gave the same outputs, else as close
+    as two plain engines are (on some CPUs, AMX among them, plain vLLM does not
+    reproduce itself across engines: one output in two engines may differ in
+    its last bits)."""
     def outputs(run: dict, phases) -> list[dict]:
         return [o for i in phases for o in run["phases"][i]]
 
     phases = plain_phases or range(len(plain["phases"]))
-    expected, got = outputs(plain, phases), outputs(reel, range(len(reel["phases"])))
-    assert len(expected) == len(got)
-    pairs = list(zip(expected, got))
-    if all(same(p, r) for p, r in pairs):
-        return
-    again = outputs(run_scenario(plain_args), phases)
-    reproducible = all(same(p, a) for (p, _), a in zip(pairs, again))
-    for n, (p, r) in enumerate(pairs):
+    plains, got = [outputs(plain, phases)], outputs(reel, range(len(reel["phases"])))
+    assert len(plains[0]) == len(got)
+
+    def unmatched() -> list[int]:
+        return [n for n, r in enumerate(got) if not any(same(p[n], r) for p in plains)]
+
+    while (left := unmatched()) and len(plains) < PLAIN_ENGINES:
+        plains.append(outputs(run_scenario(plain_args), phases))
+    reproducible = all(same(a, b) for p in plains[1:] for a, b in zip(plains[0], p))
+    for n in left:
+        p, r = plains[0][n], got[n]
         assert p["num_cached_tokens"] == r["num_cached_tokens"], f"output {n}"
         if reproducible:
             assert p["token_ids"] == r["token_ids"], f"output {n}: plain vLLM reproduces itself, kvreel differs"
