@@ -57,9 +57,10 @@ def assert_same(plain_args: dict, plain: dict, reel: dict, plain_phases: list[in
     """Every output of kvreel's phases is that of plain vLLM's phases (all, or
     ``plain_phases``): bit for bit one that a plain engine gave, and where none
     did, bit for bit if every plain engine gave the same outputs, else as close
-    as two plain engines are (on some CPUs, AMX among them, plain vLLM does not
-    reproduce itself across engines: one output in two engines may differ in
-    its last bits)."""
+    as two plain engines are (plain vLLM does not always reproduce itself
+    across engines: with the engine core in its own process, prompts submitted
+    together may start a step apart; on a 2-core AMX Xeon one output in two
+    plain engines differed in its last bits)."""
     def outputs(run: dict, phases) -> list[dict]:
         return [o for i in phases for o in run["phases"][i]]
 
