@@ -206,10 +206,11 @@ def stop_all(procs) -> None:
 
 
 def summarize_runs(runs: list[dict]) -> dict:
-    """Median of every figure over repeated runs, with its range (per-request lists left out)."""
+    """Median of every number over repeated runs, with its range (lists and tables left out)."""
     import statistics
     return {key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
-                  "max": max(r[key] for r in runs)} for key in runs[0] if not isinstance(runs[0][key], list)}
+                  "max": max(r[key] for r in runs)} for key, value in runs[0].items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def rss_by_process_mib(pid: int) -> dict[str, float]:
@@ -286,6 +287,12 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "vllm_engine_env": {k: v for k, v in engine_env().items() if k.startswith("VLLM_CPU_")}}
     return {**info, **package_versions()}
+
+
+def cpu_label() -> str:
+    """This machine for a plot's title: cores, model name and vector ISA."""
+    import torch
+    return f"{os.cpu_count()}-core {cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def cpu_model() -> str:
@@ -398,14 +405,18 @@ def save(name: str, payload: dict) -> Path:
 
 
 def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str,
-               logy: bool = False, goals: dict[str, float] | None = None) -> Path:
-    """One line per series against ``x``; ``goals``: labelled horizontal lines."""
+               logy: bool = False, goals: dict[str, float] | None = None,
+               spreads: dict[str, tuple[list[float], list[float]]] | None = None) -> Path:
+    """One line per series against ``x``; ``goals``: labelled horizontal lines;
+    ``spreads``: a series' (lows, highs), drawn as a band (the runs' min-max)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, ys in series.items():
-        ax.plot(x, ys, marker="o", label=label)
+        line, = ax.plot(x, ys, marker="o", label=label)
+        if spreads and label in spreads:
+            ax.fill_between(x, *spreads[label], color=line.get_color(), alpha=0.15, lw=0)
     for label, y in (goals or {}).items():
         ax.axhline(y, color="grey", ls="--", lw=0.8, label=label)
     ax.set_xlabel(xlabel)

