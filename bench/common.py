@@ -405,10 +405,11 @@ def save(name: str, payload: dict) -> Path:
 
 
 def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str,
-               logy: bool = False, goals: dict[str, float] | None = None,
+               logy: bool = False, goals: dict[str, float | list[float]] | None = None,
                spreads: dict[str, tuple[list[float], list[float]]] | None = None) -> Path:
-    """One line per series against ``x``; ``goals``: labelled horizontal lines;
-    ``spreads``: a series' (lows, highs), drawn as a band (the runs' min-max)."""
+    """One line per series against ``x``; ``goals``: labelled dashed lines, horizontal
+    or one value per ``x``; ``spreads``: a series' (lows, highs), drawn as a band
+    (the runs' min-max)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -418,7 +419,10 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
         if spreads and label in spreads:
             ax.fill_between(x, *spreads[label], color=line.get_color(), alpha=0.15, lw=0)
     for label, y in (goals or {}).items():
-        ax.axhline(y, color="grey", ls="--", lw=0.8, label=label)
+        if isinstance(y, list):
+            ax.plot(x, y, color="grey", ls="--", lw=0.8, label=label)
+        else:
+            ax.axhline(y, color="grey", ls="--", lw=0.8, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)

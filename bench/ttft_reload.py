@@ -5,7 +5,9 @@ prefix-cache hit, in one run, for prefixes of 1K-4K tokens.
     python bench/ttft_reload.py --model ../shared/models/tinycode-16m-4k
 
 TTFT here is the wall time of ``LLM.generate`` with ``max_tokens=1`` for one
-request (prefill + one sampled token), median over ``--repeats`` distinct prompts.
+request (prefill + one sampled token): a round's figure is the median over
+``--repeats`` distinct prompts, and the result the median over ``--runs`` rounds
+(every engine started anew in each), with every prompt's time in the JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import CONNECTOR, equal_cpu_split, machine, plot_lines, python_source_corpus, save  # noqa: E402
+from common import CONNECTOR, cpu_label, equal_cpu_split, machine, plot_lines, python_source_corpus, save  # noqa: E402
 
 
 
@@ -53,11 +55,63 @@ def drop_page_cache() -> bool:
         return False
 
 
+RECOMPUTE, PREFIX_HIT = "recompute (cold prefill)", "vLLM prefix-cache hit"
+HOST, DISK = "kvreel host-tier reload", "kvreel disk-tier reload"
+
+
+def one_round(model: str, lengths: list[int], prompts: dict, warm: list[int]) -> dict:
+    """One engine per column: (TTFT, cached tokens) of every prompt, by column and length."""
+    out: dict = {label: {} for label in (RECOMPUTE, PREFIX_HIT, HOST, DISK)}
+
+    def close(llm):
+        llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+
+    # plain vLLM: cold prefill and its own prefix-cache hit
+    llm = make_llm(model, None)
+    ttft(llm, warm)
+    for n in lengths:
+        out[RECOMPUTE][n] = [ttft(llm, p) for p in prompts[n]]
+        out[PREFIX_HIT][n] = [ttft(llm, p) for p in prompts[n]]
+    close(llm)
+
+    # kvreel host tier: save on first pass, wipe vLLM's cache, reload
+    llm = make_llm(model, {"cpu_bytes": "4GiB"})
+    ttft(llm, warm)
+    for n in lengths:
+        for p in prompts[n]:
+            ttft(llm, p)
+        out[HOST][n] = []
+        for p in prompts[n]:
+            llm.reset_prefix_cache()
+            out[HOST][n].append(ttft(llm, p))
+    close(llm)
+
+    # kvreel disk tier only (host tier off), page cache dropped before each reload when allowed
+    with tempfile.TemporaryDirectory() as disk:
+        llm = make_llm(model, {"cpu_bytes": "0", "disk_dir": disk})
+        ttft(llm, warm)
+        dropped = True
+        for n in lengths:
+            for p in prompts[n]:
+                ttft(llm, p)
+            time.sleep(0.5)   # let write-behind finish
+            out[DISK][n] = []
+            for p in prompts[n]:
+                llm.reset_prefix_cache()
+                dropped &= drop_page_cache()
+                out[DISK][n].append(ttft(llm, p))
+        close(llm)
+    out["dropped"] = dropped
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--lengths", default="1024,2048,3072,4096")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="prompts per length (distinct prefixes)")
+    ap.add_argument("--runs", type=int, default=3, help="rounds, every engine anew; medians over rounds")
     args = ap.parse_args()
     equal_cpu_split()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -72,71 +126,39 @@ def main() -> None:
         for _ in range(args.repeats):
             prompts[n].append(corpus[offset:offset + n])
             offset += n
-    results = {n: {} for n in lengths}
-    runs = {n: {} for n in lengths}
-    cached = {n: {} for n in lengths}
+    rounds: list[dict] = []          # per round: {label: {length: [(ttft_s, cached tokens) per prompt]}}
+    for _ in range(args.runs):       # every engine anew each round, round-robin
+        rounds.append(one_round(args.model, lengths, prompts, corpus[-600:]))
+    labels = list(rounds[0])
 
-    def record(n, label, pairs):
-        results[n][label] = statistics.median(t for t, _ in pairs)
-        runs[n][label] = [round(t * 1000, 2) for t, _ in pairs]
-        cached[n][label] = [c for _, c in pairs]
+    def round_medians(label, n):
+        return [statistics.median(t for t, _ in r[label][n]) for r in rounds]
 
-    # plain vLLM: cold prefill and its own prefix-cache hit
-    llm = make_llm(args.model, None)
-    ttft(llm, corpus[-600:])  # warm-up
-    for n in lengths:
-        record(n, "recompute (cold prefill)", [ttft(llm, p) for p in prompts[n]])
-        record(n, "vLLM prefix-cache hit", [ttft(llm, p) for p in prompts[n]])
-    llm.llm_engine.engine_core.shutdown(); del llm; gc.collect()
-
-    # kvreel host tier: save on first pass, wipe vLLM's cache, reload
-    llm = make_llm(args.model, {"cpu_bytes": "4GiB"})
-    ttft(llm, corpus[-600:])
-    for n in lengths:
-        for p in prompts[n]:
-            ttft(llm, p)
-        pairs = []
-        for p in prompts[n]:
-            llm.reset_prefix_cache()
-            pairs.append(ttft(llm, p))
-        record(n, "kvreel host-tier reload", pairs)
-    llm.llm_engine.engine_core.shutdown(); del llm; gc.collect()
-
-    # kvreel disk tier only (host tier off), page cache dropped before each reload when allowed
-    with tempfile.TemporaryDirectory() as disk:
-        llm = make_llm(args.model, {"cpu_bytes": "0", "disk_dir": disk})
-        ttft(llm, corpus[-600:])
-        dropped = True
-        for n in lengths:
-            for p in prompts[n]:
-                ttft(llm, p)
-            time.sleep(0.5)   # let write-behind finish
-            pairs = []
-            for p in prompts[n]:
-                llm.reset_prefix_cache()
-                dropped &= drop_page_cache()
-                pairs.append(ttft(llm, p))
-            record(n, "kvreel disk-tier reload", pairs)
-        llm.llm_engine.engine_core.shutdown(); del llm; gc.collect()
-
-    labels = list(results[lengths[0]])
-    series = {lab: [results[n][lab] * 1000 for n in lengths] for lab in labels}
-    ratio = {n: results[n]["kvreel host-tier reload"] / results[n]["vLLM prefix-cache hit"] for n in lengths}
+    series = {lab: [statistics.median(round_medians(lab, n)) * 1000 for n in lengths] for lab in labels}
+    spreads = {lab: tuple([f(round_medians(lab, n)) * 1000 for n in lengths] for f in (min, max)) for lab in labels}
+    ratios = {n: [h / v for h, v in zip(round_medians(HOST, n), round_medians(PREFIX_HIT, n))] for n in lengths}
     path = save("ttft_reload", {
-        "model": Path(args.model).name, "lengths": lengths, "repeats": args.repeats, "ttft_ms_median": series,
-        "ttft_ms_per_prompt": {str(n): runs[n] for n in lengths},
-        "num_cached_tokens": {str(n): cached[n] for n in lengths},
-        "host_reload_over_prefix_hit": {str(n): round(r, 3) for n, r in ratio.items()},
-        "page_cache_dropped_before_disk_reloads": dropped,
+        "model": Path(args.model).name, "lengths": lengths, "repeats": args.repeats, "runs": args.runs,
+        "ttft_ms_median": series,
+        "ttft_ms_round_medians": {lab: {str(n): [round(t * 1000, 2) for t in round_medians(lab, n)] for n in lengths}
+                                  for lab in labels},
+        "ttft_ms_per_prompt": [{lab: {str(n): [round(t * 1000, 2) for t, _ in r[lab][n]] for n in lengths}
+                                for lab in labels} for r in rounds],
+        "num_cached_tokens": [{lab: {str(n): [c for _, c in r[lab][n]] for n in lengths} for lab in labels}
+                              for r in rounds],
+        "host_reload_over_prefix_hit": {str(n): {"median": round(statistics.median(r), 3),
+                                                 "rounds": [round(x, 3) for x in r]} for n, r in ratios.items()},
+        "page_cache_dropped_before_disk_reloads": all(r["dropped"] for r in rounds),
         "goal": "host-tier reload TTFT within 1.25x of vLLM's prefix-cache hit",
     })
-    host = machine()
-    goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in series["vLLM prefix-cache hit"]]}
-    plot_lines("ttft_reload", lengths, {**series, **goal}, "prefix tokens", f"TTFT (ms, median of {args.repeats} prompts)",
-               f"TTFT after eviction — {Path(args.model).name}, vLLM {host['vllm']}, {host['cpus']}-core CPU", logy=True)
+    goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in series[PREFIX_HIT]]}
+    plot_lines("ttft_reload", lengths, series, "prefix tokens",
+               f"TTFT (ms; median of {args.runs} rounds of {args.repeats} prompts, band = min-max)",
+               f"TTFT after eviction — {Path(args.model).name}, vLLM {machine()['vllm']}, {cpu_label()}, "
+               f"block 32, one request at a time", logy=True, goals=goal, spreads=spreads)
     for lab, ys in series.items():
         print(f"{lab:32s} " + "  ".join(f"{n}:{y:8.1f}ms" for n, y in zip(lengths, ys)))
-    print("host reload / prefix-cache hit:", {n: round(r, 2) for n, r in ratio.items()})
+    print("host reload / prefix-cache hit:", {n: round(statistics.median(r), 2) for n, r in ratios.items()})
     print("wrote", path)
 
 
