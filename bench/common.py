@@ -289,10 +289,12 @@ def machine() -> dict:
     return {**info, **package_versions()}
 
 
-def cpu_label() -> str:
-    """This machine for a plot's title: cores, model name and vector ISA."""
-    import torch
-    return f"{os.cpu_count()}-core {cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+def machine_words(m: dict | None = None) -> str:
+    """A results JSON's machine (this one where none is given) for a plot's
+    title: cores, CPU model where recorded, vector ISA."""
+    m = m or machine()
+    model = m.get("cpu_model", "").replace("(R)", "").replace("(TM)", "").replace(" Processor", "")
+    return f"{m['cpus']}-core {model + ' ' if model else ''}{m.get('cpu_isa', 'x86')} CPU"
 
 
 def cpu_model() -> str:

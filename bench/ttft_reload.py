@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import CONNECTOR, cpu_label, equal_cpu_split, machine, plot_lines, python_source_corpus, save  # noqa: E402
+from common import CONNECTOR, equal_cpu_split, machine, machine_words, plot_lines, python_source_corpus, save  # noqa: E402
 
 
 
@@ -154,7 +154,7 @@ def main() -> None:
     goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in series[PREFIX_HIT]]}
     plot_lines("ttft_reload", lengths, series, "prefix tokens",
                f"TTFT (ms; median of {args.runs} rounds of {args.repeats} prompts, band = min-max)",
-               f"TTFT after eviction — {Path(args.model).name}, vLLM {machine()['vllm']}, {cpu_label()}, "
+               f"TTFT after eviction — {Path(args.model).name}, vLLM {machine()['vllm']}, {machine_words()}, "
                f"block 32, one request at a time", logy=True, goals=goal, spreads=spreads)
     for lab, ys in series.items():
         print(f"{lab:32s} " + "  ".join(f"{n}:{y:8.1f}ms" for n, y in zip(lengths, ys)))
