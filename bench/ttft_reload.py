@@ -57,11 +57,12 @@ def drop_page_cache() -> bool:
 
 RECOMPUTE, PREFIX_HIT = "recompute (cold prefill)", "vLLM prefix-cache hit"
 HOST, DISK = "kvreel host-tier reload", "kvreel disk-tier reload"
+LABELS = (RECOMPUTE, PREFIX_HIT, HOST, DISK)
 
 
 def one_round(model: str, lengths: list[int], prompts: dict, warm: list[int]) -> dict:
     """One engine per column: (TTFT, cached tokens) of every prompt, by column and length."""
-    out: dict = {label: {} for label in (RECOMPUTE, PREFIX_HIT, HOST, DISK)}
+    out: dict = {label: {} for label in LABELS}
 
     def close(llm):
         llm.llm_engine.engine_core.shutdown()
@@ -129,22 +130,21 @@ def main() -> None:
     rounds: list[dict] = []          # per round: {label: {length: [(ttft_s, cached tokens) per prompt]}}
     for _ in range(args.runs):       # every engine anew each round, round-robin
         rounds.append(one_round(args.model, lengths, prompts, corpus[-600:]))
-    labels = list(rounds[0])
 
     def round_medians(label, n):
         return [statistics.median(t for t, _ in r[label][n]) for r in rounds]
 
-    series = {lab: [statistics.median(round_medians(lab, n)) * 1000 for n in lengths] for lab in labels}
-    spreads = {lab: tuple([f(round_medians(lab, n)) * 1000 for n in lengths] for f in (min, max)) for lab in labels}
+    series = {lab: [statistics.median(round_medians(lab, n)) * 1000 for n in lengths] for lab in LABELS}
+    spreads = {lab: tuple([f(round_medians(lab, n)) * 1000 for n in lengths] for f in (min, max)) for lab in LABELS}
     ratios = {n: [h / v for h, v in zip(round_medians(HOST, n), round_medians(PREFIX_HIT, n))] for n in lengths}
     path = save("ttft_reload", {
         "model": Path(args.model).name, "lengths": lengths, "repeats": args.repeats, "runs": args.runs,
         "ttft_ms_median": series,
         "ttft_ms_round_medians": {lab: {str(n): [round(t * 1000, 2) for t in round_medians(lab, n)] for n in lengths}
-                                  for lab in labels},
+                                  for lab in LABELS},
         "ttft_ms_per_prompt": [{lab: {str(n): [round(t * 1000, 2) for t, _ in r[lab][n]] for n in lengths}
-                                for lab in labels} for r in rounds],
-        "num_cached_tokens": [{lab: {str(n): [c for _, c in r[lab][n]] for n in lengths} for lab in labels}
+                                for lab in LABELS} for r in rounds],
+        "num_cached_tokens": [{lab: {str(n): [c for _, c in r[lab][n]] for n in lengths} for lab in LABELS}
                               for r in rounds],
         "host_reload_over_prefix_hit": {str(n): {"median": round(statistics.median(r), 3),
                                                  "rounds": [round(x, 3) for x in r]} for n, r in ratios.items()},
