@@ -1,7 +1,7 @@
 """Per-chunk choice of what to fetch (KVFetcher Alg. 1, plus format adaptation).
 
 Before each chunk: the bandwidth is estimated from the chunks already fetched
-(EWMA of bytes/second), each candidate form of the chunk (a video resolution,
+(a slower transfer at once, a faster one through an EWMA), each candidate form of the chunk (a video resolution,
 or the raw/zstd bytes) gets a transmission time (size / bandwidth) and a decode
 time (measured profile x current decoder load), switching resolution costs a
 penalty (a new decoder configuration), and the candidate with the smallest
@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 
 class BandwidthEstimator:
-    """EWMA of observed transfer rates (bytes/second)."""
+    """Transfer rate (bytes/second) from observed transfers: a slower one is
+    believed at once, a faster one approached through an EWMA. Overestimating
+    the link sends a large form over a slow link (the whole fetch waits for
+    it), underestimating only picks a smaller form whose decode the pipeline
+    mostly hides; so, as throughput-based video players do, the estimate
+    falls fast and rises slowly. Before this, an EWMA alone kept raw chunks
+    flowing for a dozen transfers after the link slowed down."""
 
     def __init__(self, initial_Bps: float, alpha: float = 0.5):
         if initial_Bps <= 0 or not 0 < alpha <= 1:
@@ -26,7 +32,8 @@ class BandwidthEstimator:
 
     def observe(self, nbytes: int, seconds: float) -> float:
         if nbytes > 0 and seconds > 0:
-            self.Bps = (1 - self.alpha) * self.Bps + self.alpha * (nbytes / seconds)
+            rate = nbytes / seconds
+            self.Bps = rate if rate < self.Bps else (1 - self.alpha) * self.Bps + self.alpha * rate
         return self.Bps
 
 

@@ -28,12 +28,23 @@ def test_switching_penalty_keeps_the_previous_resolution_when_close():
     assert choose(two, 125e6, previous="video@256", switch_penalty_s=0.01)[0].name == "video@256"
 
 
-def test_bandwidth_estimate_follows_observations():
+def test_bandwidth_estimate_falls_at_once_and_rises_slowly():
     est = BandwidthEstimator(100e6, alpha=0.5)
-    est.observe(50_000_000, 1.0)
-    assert est.Bps == pytest.approx(75e6)
+    est.observe(50_000_000, 1.0)              # the link slowed down: believed at the first transfer
+    assert est.Bps == pytest.approx(50e6)
+    est.observe(150_000_000, 1.0)             # faster again: half way there
+    assert est.Bps == pytest.approx(100e6)
+    est.observe(0, 1.0)                       # nothing moved: no evidence
+    assert est.Bps == pytest.approx(100e6)
     with pytest.raises(ValueError):
         BandwidthEstimator(0)
+
+
+def test_a_slowed_link_switches_to_the_smaller_form_at_the_next_chunk():
+    est = BandwidthEstimator(5e9)             # a fast link: raw wins
+    assert choose(VIDEO, est.Bps)[0].name == "raw"
+    est.observe(900_000, 0.01)                # one transfer at 90 MB/s
+    assert choose(VIDEO, est.Bps)[0].name == "video@512"
 
 
 def _echo_server():
