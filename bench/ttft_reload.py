@@ -107,35 +107,6 @@ def one_round(model: str, lengths: list[int], prompts: dict, warm: list[int]) ->
     return out
 
 
-def first_touch_ms(model: str, tokens: int, block: int = 32, chunk_blocks: int = 8, repeats: int = 5) -> dict:
-    """A reload's copies (``tokens`` of ``model``'s KV, in chunk-sized pieces per
-    layer) into memory never written before, as vLLM's fresh paged cache is,
-    and into the same memory again: the page faults a reload pays until the
-    engine has written every page of its cache once. Medians of ``repeats``."""
-    import json
-
-    import torch
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    page = block * cfg["num_key_value_heads"] * head_dim * 2 * 2            # K and V, 16-bit
-    layers, blocks = cfg["num_hidden_layers"], tokens // block
-    src = torch.randint(-128, 127, (layers, blocks, page), dtype=torch.int8)
-
-    def copy(dst) -> float:
-        t0 = time.perf_counter()
-        for c in range(0, blocks, chunk_blocks):
-            for r in range(layers):
-                dst[r, c:c + chunk_blocks].copy_(src[r, c:c + chunk_blocks])
-        return (time.perf_counter() - t0) * 1000
-
-    first, again = [], []
-    for dst in [torch.empty_like(src) for _ in range(repeats)]:     # all held: no allocation reuses written memory
-        first.append(copy(dst))
-        again.append(copy(dst))
-    return {"tokens": tokens, "bytes": src.numel(), "first_touch_ms": round(statistics.median(first), 2),
-            "written_before_ms": round(statistics.median(again), 2)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -178,7 +149,6 @@ def main() -> None:
         "host_reload_over_prefix_hit": {str(n): {"median": round(statistics.median(r), 3),
                                                  "rounds": [round(x, 3) for x in r]} for n, r in ratios.items()},
         "page_cache_dropped_before_disk_reloads": all(r["dropped"] for r in rounds),
-        "reload_copies_into_fresh_memory": first_touch_ms(args.model, max(lengths)),
         "goal": "host-tier reload TTFT within 1.25x of vLLM's prefix-cache hit",
     })
     goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in series[PREFIX_HIT]]}
