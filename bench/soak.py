@@ -50,8 +50,8 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, free_port, python_source_corpus, rss_by_process_mib, save, save_figure, scratch,  # noqa: E402
-                    start_openai_server, start_redis)
+from common import (RESULTS, free_port, python_source_corpus, rss_by_process_mib, save, save_figure,  # noqa: E402
+                    scratch, start_openai_server, start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})

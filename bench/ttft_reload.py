@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import subprocess
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import CONNECTOR, equal_cpu_split, machine, machine_words, plot_lines, python_source_corpus, save  # noqa: E402
+from common import (CONNECTOR, RESULTS, equal_cpu_split, machine_words, plot_lines,  # noqa: E402
+                    python_source_corpus, save)
 
 
 
@@ -107,13 +109,32 @@ def one_round(model: str, lengths: list[int], prompts: dict, warm: list[int]) ->
     return out
 
 
+def plot(out: dict) -> None:
+    """TTFT by prefix length per column (median of the rounds, their min-max as a
+    band) and the goal line, titled from the JSON's own record."""
+    lengths, medians = out["lengths"], out["ttft_ms_round_medians"]
+    spreads = {lab: tuple([f(medians[lab][str(n)]) for n in lengths] for f in (min, max)) for lab in medians}
+    goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in out["ttft_ms_median"][PREFIX_HIT]]}
+    plot_lines("ttft_reload", lengths, out["ttft_ms_median"], "prefix tokens", "TTFT (ms)",
+               f"TTFT after eviction — {out['model']}, vLLM {out['machine']['vllm']}, "
+               f"{machine_words(out['machine'])}, block 32, one request at a time; commit {out['commit'][:7]}; "
+               f"median of {out['runs']} rounds of {out['repeats']} prompts, band = min-max",
+               logy=True, goals=goal, spreads=spreads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--lengths", default="1024,2048,3072,4096")
     ap.add_argument("--repeats", type=int, default=3, help="prompts per length (distinct prefixes)")
     ap.add_argument("--runs", type=int, default=3, help="rounds, every engine anew; medians over rounds")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/ttft_reload.json")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "ttft_reload.json").read_text()))
+        return
+    if not args.model:
+        ap.error("--model is required (or --replot)")
     equal_cpu_split()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from transformers import AutoTokenizer
@@ -135,7 +156,6 @@ def main() -> None:
         return [statistics.median(t for t, _ in r[label][n]) for r in rounds]
 
     series = {lab: [statistics.median(round_medians(lab, n)) * 1000 for n in lengths] for lab in LABELS}
-    spreads = {lab: tuple([f(round_medians(lab, n)) * 1000 for n in lengths] for f in (min, max)) for lab in LABELS}
     ratios = {n: [h / v for h, v in zip(round_medians(HOST, n), round_medians(PREFIX_HIT, n))] for n in lengths}
     path = save("ttft_reload", {
         "model": Path(args.model).name, "lengths": lengths, "repeats": args.repeats, "runs": args.runs,
@@ -151,11 +171,7 @@ def main() -> None:
         "page_cache_dropped_before_disk_reloads": all(r["dropped"] for r in rounds),
         "goal": "host-tier reload TTFT within 1.25x of vLLM's prefix-cache hit",
     })
-    goal = {"goal: 1.25x vLLM's prefix-cache hit": [1.25 * y for y in series[PREFIX_HIT]]}
-    plot_lines("ttft_reload", lengths, series, "prefix tokens",
-               f"TTFT (ms; median of {args.runs} rounds of {args.repeats} prompts, band = min-max)",
-               f"TTFT after eviction — {Path(args.model).name}, vLLM {machine()['vllm']}, {machine_words()}, "
-               f"block 32, one request at a time", logy=True, goals=goal, spreads=spreads)
+    plot(json.loads(path.read_text()))
     for lab, ys in series.items():
         print(f"{lab:32s} " + "  ".join(f"{n}:{y:8.1f}ms" for n, y in zip(lengths, ys)))
     print("host reload / prefix-cache hit:", {n: round(statistics.median(r), 2) for n, r in ratios.items()})
