@@ -238,8 +238,7 @@ def main() -> None:
     name = a.name or f"retrieval_served_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tokens", "chunk", "min_tokens", "window", "configs", "error_positions",
                                            "decode_prompts", "decode", "decode_chunk")}
-    out = {"model": Path(a.model).name, "settings": settings, "results": results}
-    path = save(name, out)
+    path = save(name, {"model": Path(a.model).name, "settings": settings, "results": results})
     print(f"wrote {path}")
     _plot(name, json.loads(path.read_text()))
 

