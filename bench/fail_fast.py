@@ -1,6 +1,8 @@
 """How fast a bad kvreel setting stops each way of starting a server, against
-the floors set by importing torch and by vLLM's API server answering --help
-(which imports what the server imports before it reads its arguments):
+the floors set by importing torch, by importing the ``vllm`` package (which
+Python does before any of vLLM's code, and so any plugin of it, can run) and by
+vLLM's API server answering --help (which imports what the server imports
+before it reads its arguments):
 
     python bench/fail_fast.py --model ../shared/models/tinycode-16m-4k
 
@@ -37,6 +39,7 @@ def commands(model: str) -> dict[str, list[str]]:
         "vLLM's API server (kvreel's connector)": [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                                                    "--model", model, "--kv-transfer-config", json.dumps(CONNECTOR)],
         "floor: python -c 'import torch'": [sys.executable, "-c", "import torch"],
+        "floor: python -c 'import vllm'": [sys.executable, "-c", "import vllm"],
         "floor: vLLM's API server --help": [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help"],
     }
 
