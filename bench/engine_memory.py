@@ -1,7 +1,8 @@
 """Where an engine's memory goes with kvreel's retrieval: resident memory over a
 run of long prompts, by part, against plain vLLM in the same run.
 
-    python bench/engine_memory.py --model models/smollm2-135m [--dtype float32]
+    python bench/engine_memory.py --model models/smollm2-135m [--dtype float32] [--runs 3]
+    python bench/engine_memory.py --replot results/engine_memory_smollm2-135m.json
 
 The workload is the long-context suite's (``long_context_tasks``: single
 needles at ``--length`` tokens, ``--cases`` of them, ``--batch`` at a time,
@@ -16,7 +17,9 @@ reuse), the long requests' histories (their KV, keys and cluster labels, and
 the room reserved to grow into), the working-set buffers and the steps'
 temporaries, and the DRE service's resident memory (its own process).
 The paged cache is the size vLLM allocated. What is left is the engine's own
-(model, torch, vLLM), which plain vLLM's run shows alone.
+(model, torch, vLLM), which plain vLLM's run shows alone. ``--runs`` rounds
+run every configuration once each, round-robin; every run is kept and each part
+is reported as its median over the runs.
 """
 
 from __future__ import annotations
@@ -24,19 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, engine_in_subprocess, engine_or_main, report, rss_by_process_mib, save,  # noqa: E402
-                    save_figure)
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, machine_words, report,  # noqa: E402
+                    rss_by_process_mib, save, save_figure)
 from long_context_tasks import suite  # noqa: E402
 
 from kvreel.connector.config import parse_bytes  # noqa: E402
 
 MIB = 1 << 20
-SAMPLES = 400               # kept per configuration (evenly thinned), besides the peak
+SAMPLES = 200               # kept per run (evenly thinned), besides the peak
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -103,10 +107,29 @@ def breakdown(got: dict) -> dict:
     return parts
 
 
-def plot(name: str, rows: dict, title: str) -> Path:
+def peak_total_mib(run: dict) -> float:
+    return run["peak"]["rss_mib"] + run["peak"]["dre_mib"]
+
+
+def summarize(runs: list[dict]) -> dict:
+    """A configuration's runs: each part's median and the peak's and end's spread (MiB)."""
+    def spread(xs):
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    keys = runs[0]["breakdown"]
+    return {"breakdown": {k: statistics.median(r["breakdown"][k] for r in runs) for k in keys},
+            "peak_total_mib": spread([peak_total_mib(r) for r in runs]),
+            "last_total_mib": spread([r["last"]["rss_mib"] + r["last"]["dre_mib"] for r in runs]),
+            "wall_s": spread([r["wall_s"] for r in runs]), "runs": runs}
+
+
+def plot(out: dict, name: str) -> Path:
+    """Left: each configuration's peak by part (medians over the runs), every
+    run's peak as a dot, the budget a kvreel engine was given as a dashed line.
+    Right: resident memory over every run."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    rows, st = out["rows"], out["settings"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 6.2))
     labels = list(rows)
     bottom = [0.0] * len(labels)
@@ -115,31 +138,37 @@ def plot(name: str, rows: dict, title: str) -> Path:
         ys = [rows[c]["breakdown"][key] / 1024 for c in labels]
         ax.bar(labels, ys, bottom=bottom, label=label)
         bottom = [b + y for b, y in zip(bottom, ys)]
-    budget_label = "paged cache + KVREEL_CPU_BYTES"
-    for x, c in enumerate(labels):                    # what the host tier and the histories may take
-        if c.startswith("kvreel"):
+    budget_label, runs_label = "paged cache + KVREEL_CPU_BYTES", "every run's peak"
+    for x, c in enumerate(labels):
+        peaks = [peak_total_mib(r) / 1024 for r in rows[c]["runs"]]
+        ax.plot([x] * len(peaks), peaks, "k.", ms=5, label=runs_label)
+        runs_label = None
+        if c.startswith("kvreel"):                     # what the host tier and the histories may take
             top = rows[c]["breakdown"]["paged_cache_mib"] / 1024 + parse_bytes(c.rsplit(" ", 1)[1]) / (1 << 30)
             ax.plot([x - 0.4, x + 0.4], [top, top], "k--", lw=1, label=budget_label)
             budget_label = None
     ax.set_ylabel("GiB at peak (engine process + DRE)")
-    ax.set_title("resident memory at its peak, by part", fontsize=9)
+    ax.set_title(f"resident memory at its peak, by part (medians of {st['runs']} runs)", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
-    for c in labels:
-        xs = [s["t"] for s in rows[c]["samples"]]
-        ax2.plot(xs, [(s["rss_mib"] + s["dre_mib"]) / 1024 for s in rows[c]["samples"]], label=c)
+    for i, c in enumerate(labels):
+        for j, run in enumerate(rows[c]["runs"]):
+            ax2.plot([s["t"] for s in run["samples"]], [(s["rss_mib"] + s["dre_mib"]) / 1024 for s in run["samples"]],
+                     color=f"C{i}", alpha=0.8, lw=1, label=c if j == 0 else None)
     ax2.set_xlabel("seconds since the first request")
     ax2.set_ylabel("GiB resident (engine process + DRE)")
-    ax2.set_title("resident memory over the run (one run)", fontsize=9)
+    ax2.set_title(f"resident memory over every run ({st['runs']} per configuration)", fontsize=9)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(f"engine memory, {st['cases']} prompts of {st['length']} tokens, {st['batch']} at a time — "
+                 f"{out['model']} {st['dtype']}, paged cache {st['VLLM_CPU_KVCACHE_SPACE']} GiB, vLLM {out['vllm']}; "
+                 f"{machine_words(out['machine'])}; commit {out['commit'][:7]}", fontsize=9)
     return save_figure(fig, name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model")
     ap.add_argument("--length", type=int, default=8000, help="prompt tokens")
     ap.add_argument("--cases", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4, help="max_num_seqs")
@@ -149,7 +178,14 @@ def main() -> None:
     ap.add_argument("--kvcache-space", default="2", help="VLLM_CPU_KVCACHE_SPACE (GiB), every engine")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--runs", type=int, default=3, help="rounds, every configuration once each, round-robin")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
     a = ap.parse_args()
+    if a.replot:
+        print(plot(json.loads(Path(a.replot).read_text()), Path(a.replot).stem))
+        return
+    if not a.model:
+        ap.error("--model is required (or --replot)")
     from transformers import AutoTokenizer
     import vllm
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -158,28 +194,31 @@ def main() -> None:
     work.write_text(json.dumps([c.prompt_ids for c in cases]))
     configs = [("plain vLLM", None)] + [(f"kvreel resv, host {h}", h) for h in a.host.split(",")]
     name = a.name or f"engine_memory_{Path(a.model).name}"
-    rows = {}
-    for label, host in configs:
-        print(f"== {label}", flush=True)
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": a.kvcache_space,
-               **({"KVREEL_RETRIEVAL": "resv"} if host else {})}
-        got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "host": host, "dtype": a.dtype,
-                                              "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
-                                              "max_model_len": a.length + a.max_tokens + 64}, env, timeout=3 * 3600)
-        if "error" in got:
-            raise RuntimeError(f"{label}: {got['error']}")
-        got["breakdown"] = breakdown(got)
-        rows[label] = got
-        print(json.dumps({"breakdown": got["breakdown"], "peak_rss_mib": got["peak"]["rss_mib"],
-                          "wall_s": got["wall_s"]}), flush=True)
+    runs: dict[str, list[dict]] = {label: [] for label, _ in configs}
+    for round_ in range(a.runs):          # round-robin, so a slow moment of the machine hits every configuration
+        for label, host in configs:
+            print(f"== round {round_ + 1}/{a.runs}: {label}", flush=True)
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": a.kvcache_space,
+                   **({"KVREEL_RETRIEVAL": "resv"} if host else {})}
+            got = engine_in_subprocess(__file__, {"model": a.model, "work": str(work), "host": host, "dtype": a.dtype,
+                                                  "chunk": a.chunk, "batch": a.batch, "max_tokens": a.max_tokens,
+                                                  "max_model_len": a.length + a.max_tokens + 64}, env,
+                                       timeout=3 * 3600)
+            if "error" in got:
+                raise RuntimeError(f"{label}: {got['error']}")
+            got["breakdown"] = breakdown(got)
+            runs[label].append(got)
+            print(json.dumps({"breakdown": got["breakdown"], "peak_rss_mib": got["peak"]["rss_mib"],
+                              "wall_s": got["wall_s"]}), flush=True)
     settings = {"task": "niah_single", "length": a.length, "cases": a.cases, "batch": a.batch, "chunk": a.chunk,
                 "max_tokens": a.max_tokens, "host": a.host, "VLLM_CPU_KVCACHE_SPACE": a.kvcache_space,
-                "dtype": a.dtype, "retrieval": "resv, defaults", "runs": 1,
+                "dtype": a.dtype, "retrieval": "resv, defaults", "runs": a.runs,
                 "vllm": "in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), equal CPU split"}
-    path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings, "rows": rows})
-    plot(name, rows, f"engine memory, {a.cases} prompts of {a.length} tokens, {a.batch} at a time "
-                     f"({Path(a.model).name}, {a.dtype}, paged cache {a.kvcache_space} GiB; 2-core x86 CPU, one run)")
-    print(f"wrote {path}")
+    path = save(name, {"model": Path(a.model).name, "vllm": vllm.__version__, "settings": settings,
+                       "rows": {label: summarize(rs) for label, rs in runs.items()}})
+    print(plot(json.loads(path.read_text()), name))
+    for label, rs in runs.items():
+        print(f"{label:28s} peak GiB {[round(peak_total_mib(r) / 1024, 2) for r in rs]}")
 
 
 if __name__ == "__main__":
