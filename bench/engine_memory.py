@@ -1,7 +1,7 @@
 """Where an engine's memory goes with kvreel's retrieval: resident memory over a
 run of long prompts, by part, against plain vLLM in the same run.
 
-    python bench/engine_memory.py --model models/smollm2-135m [--dtype float32] [--runs 3]
+    python bench/engine_memory.py --model models/smollm2-135m --dtype float32 --cases 8 [--runs 3]
     python bench/engine_memory.py --replot results/engine_memory_smollm2-135m.json
 
 The workload is the long-context suite's (``long_context_tasks``: single
@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, engine_in_subprocess, engine_or_main, machine_words, report,  # noqa: E402
-                    rss_by_process_mib, save, save_figure)
+                    rss_by_process_mib, save, save_figure, summarize_runs)
 from long_context_tasks import suite  # noqa: E402
 
 from kvreel.connector.config import parse_bytes  # noqa: E402
@@ -113,13 +112,10 @@ def peak_total_mib(run: dict) -> float:
 
 def summarize(runs: list[dict]) -> dict:
     """A configuration's runs: each part's median and the peak's and end's spread (MiB)."""
-    def spread(xs):
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-    keys = runs[0]["breakdown"]
-    return {"breakdown": {k: statistics.median(r["breakdown"][k] for r in runs) for k in keys},
-            "peak_total_mib": spread([peak_total_mib(r) for r in runs]),
-            "last_total_mib": spread([r["last"]["rss_mib"] + r["last"]["dre_mib"] for r in runs]),
-            "wall_s": spread([r["wall_s"] for r in runs]), "runs": runs}
+    totals = [{"peak_total_mib": peak_total_mib(r), "last_total_mib": r["last"]["rss_mib"] + r["last"]["dre_mib"],
+               "wall_s": r["wall_s"]} for r in runs]
+    parts = summarize_runs([r["breakdown"] for r in runs])
+    return {"breakdown": {k: v["median"] for k, v in parts.items()}, **summarize_runs(totals), "runs": runs}
 
 
 def plot(out: dict, name: str) -> Path:
