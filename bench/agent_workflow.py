@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, machine_words, python_source_corpus, read_counters, save, save_figure,  # noqa: E402
+from common import (load_results, machine_words, python_source_corpus, read_counters, save, save_figure,  # noqa: E402
                     start_redis)
 from peers import start_vllm  # noqa: E402
 from shaper import Shaper  # noqa: E402
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
     if a.replot:
-        plot(a.replot, json.loads((RESULTS / f"{a.replot}.json").read_text()))
+        plot(a.replot, load_results(a.replot))
         return
     if not a.model:
         ap.error("--model is required (or --replot NAME)")

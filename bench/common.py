@@ -406,6 +406,11 @@ def save(name: str, payload: dict) -> Path:
     return path
 
 
+def load_results(name: str) -> dict:
+    """A results file ``save`` wrote (a benchmark's ``--replot`` draws from it)."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
 def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel: str, title: str,
                logy: bool = False, goals: dict[str, float | list[float]] | None = None,
                spreads: dict[str, tuple[list[float], list[float]]] | None = None) -> Path:

@@ -2,7 +2,7 @@
 run of long prompts, by part, against plain vLLM in the same run.
 
     python bench/engine_memory.py --model models/smollm2-135m --dtype float32 --cases 8 [--runs 3]
-    python bench/engine_memory.py --replot results/engine_memory_smollm2-135m.json
+    python bench/engine_memory.py --replot engine_memory_smollm2-135m
 
 The workload is the long-context suite's (``long_context_tasks``: single
 needles at ``--length`` tokens, ``--cases`` of them, ``--batch`` at a time,
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, engine_in_subprocess, engine_or_main, machine_words, report,  # noqa: E402
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, load_results, machine_words, report,  # noqa: E402
                     rss_by_process_mib, save, save_figure, summarize_runs)
 from long_context_tasks import suite  # noqa: E402
 
@@ -175,10 +175,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--name", default=None)
     ap.add_argument("--runs", type=int, default=3, help="rounds, every configuration once each, round-robin")
-    ap.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a results JSON")
+    ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
     if a.replot:
-        print(plot(json.loads(Path(a.replot).read_text()), Path(a.replot).stem))
+        print(plot(load_results(a.replot), a.replot))
         return
     if not a.model:
         ap.error("--model is required (or --replot)")

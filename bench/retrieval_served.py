@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, RESULTS, engine_in_subprocess, engine_or_main, in_process_dre,  # noqa: E402
+from common import (CONNECTOR, engine_in_subprocess, engine_or_main, in_process_dre, load_results,  # noqa: E402
                     machine_words, python_source_corpus, report, retrieval_counters, save, save_figure)
 
 
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--replot", metavar="NAME", help="only redraw results/NAME.png from results/NAME.json")
     a = ap.parse_args()
     if a.replot:
-        _plot(a.replot, json.loads((RESULTS / f"{a.replot}.json").read_text()))
+        _plot(a.replot, load_results(a.replot))
         return
     if not a.model:
         ap.error("--model is required (or --replot NAME)")

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from kvreel.connector.cli import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (RESULTS, free_port, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
+from common import (free_port, load_results, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
                     save, save_figure, scratch, start_openai_server, start_redis)
 
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
@@ -238,7 +238,7 @@ def main():
     if not (a.model or a.replot):
         ap.error("--model is required (or --replot NAME)")
     if a.replot:
-        _plot(json.loads((RESULTS / f"{a.replot}.json").read_text()), a.replot)
+        _plot(load_results(a.replot), a.replot)
         return
     with scratch("kvreel-soak-") as work:
         run(a, work)

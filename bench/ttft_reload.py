@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (CONNECTOR, RESULTS, equal_cpu_split, machine_words, plot_lines,  # noqa: E402
+from common import (CONNECTOR, equal_cpu_split, load_results, machine_words, plot_lines,  # noqa: E402
                     python_source_corpus, save)
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/ttft_reload.json")
     args = ap.parse_args()
     if args.replot:
-        plot(json.loads((RESULTS / "ttft_reload.json").read_text()))
+        plot(load_results("ttft_reload"))
         return
     if not args.model:
         ap.error("--model is required (or --replot)")
