@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (equal_cpu_split, machine_words, plot_lines, python_source_corpus, save,  # noqa: E402
                     save_figure, start_redis, summarize_runs)
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
+from ttft_reload import close as close_engine  # noqa: E402
 
 RATES_GBPS = (1, 4, 16, 40)
 # every fixed form, and the per-chunk choice, in both parts
@@ -43,9 +43,7 @@ TRACE = ((0.5, 6.0), (0.5, 3.0), (0.5, 4.0))     # (seconds, units), replayed in
 
 
 def close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    close_engine(llm)
     time.sleep(1)
 
 

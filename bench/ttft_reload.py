@@ -38,6 +38,12 @@ def make_llm(model, extra, **kw):
                max_num_seqs=4, seed=0, **kw)
 
 
+def close(llm) -> None:
+    """Shut an offline engine down and free its memory before the next one starts."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
 def ttft(llm, ids) -> float:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -65,11 +71,6 @@ LABELS = (RECOMPUTE, PREFIX_HIT, HOST, DISK)
 def one_round(model: str, lengths: list[int], prompts: dict, warm: list[int]) -> dict:
     """One engine per column: (TTFT, cached tokens) of every prompt, by column and length."""
     out: dict = {label: {} for label in LABELS}
-
-    def close(llm):
-        llm.llm_engine.engine_core.shutdown()
-        gc.collect()
-
     # plain vLLM: cold prefill and its own prefix-cache hit
     llm = make_llm(model, None)
     ttft(llm, warm)
