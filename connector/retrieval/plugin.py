@@ -2,9 +2,10 @@
 
 A server whose command line attaches kvreel's connector is checked first: a
 bad ``KVREEL_*`` value stops it before anything loads (``check_command_line``).
-On vLLM's CPU platform it puts kvreel's retrieval backend in place of
-``CPU_ATTN`` and teaches vLLM's KV cache manager kvreel's offloaded-history
-spec. The backend is vLLM's own, unchanged, unless the engine being built has
+On vLLM's CPU platform it gives an engine with kvreel's connector the
+threads plain vLLM's engine gets (``keep_plain_cpu_split``: the same bits),
+puts kvreel's retrieval backend in place of ``CPU_ATTN`` and teaches vLLM's
+KV cache manager kvreel's offloaded-history spec. The backend is vLLM's own, unchanged, unless the engine being built has
 kvreel's connector with retrieval on (``engine_settings``): the plugin runs
 before any engine's configuration is known, and only then do settings given
 in ``kv_connector_extra_config`` reach the attention layers as the
@@ -28,9 +29,10 @@ def register() -> None:
                            "this platform keeps full attention")
         return
     from kvreel.connector.retrieval import offload
-    from kvreel.connector.vllm_internals import register_cpu_attention, version_problem
+    from kvreel.connector.vllm_internals import keep_plain_cpu_split, register_cpu_attention, version_problem
     if version_problem():          # the connector refuses to start and says why; vLLM's attention stays vLLM's
         return
+    keep_plain_cpu_split(attaches_kvreel)
     offload.register()
     register_cpu_attention("kvreel.connector.retrieval.attention_backend.RetrievalCPUAttentionBackend")
 
@@ -89,17 +91,21 @@ def check_command_line(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
 
 
+def attaches_kvreel(vllm_config) -> bool:
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    return kv is not None and kv.kv_connector == CONNECTOR
+
+
 def engine_settings(vllm_config):
     """kvreel's settings for this engine (``KVREEL_*``, then its connector's
     ``kv_connector_extra_config``) when it attaches kvreel's connector with
     retrieval on; None otherwise, and vLLM's attention stays vLLM's."""
     from kvreel.connector.config import KVReelConfig
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is None or kv.kv_connector != CONNECTOR:
+    if not attaches_kvreel(vllm_config):
         if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
             logger.error("kvreel: KVREEL_RETRIEVAL needs kvreel's connector (--kv-transfer-config "
                          "'{\"kv_connector\":\"KVReelConnector\",\"kv_connector_module_path\":\"kvreel.connector\","
                          "\"kv_role\":\"kv_both\"}'); attention stays full")
         return None
-    cfg = KVReelConfig.load(overrides=dict(kv.kv_connector_extra_config or {}))
+    cfg = KVReelConfig.load(overrides=dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
     return cfg if cfg.retrieval != "off" else None
