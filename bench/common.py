@@ -19,9 +19,10 @@ RESULTS = Path(__file__).parent / "results"
 
 # vLLM on CPU keeps one core back for its scheduler process, and one more when a
 # KV connector is attached (meant for NIXL); on a 2-core host that second core
-# leaves none to keep, so vLLM runs an engine with any connector on every core
-# and one without on one. Every benchmarked engine keeps the same one core back,
-# so configurations differ only in what they compare (``engine_env``; the shell may
+# leaves none to keep, so vLLM runs an engine with a connector on every core
+# and one without on one. kvreel's plugin undoes that for kvreel's connector,
+# not for LMCache's: every benchmarked engine keeps the same one core back, so
+# configurations differ only in what they compare (``engine_env``; the shell may
 # choose another split).
 EQUAL_CPU_SPLIT = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 

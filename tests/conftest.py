@@ -42,25 +42,32 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_llama(out))
 
 
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory) -> str:
+    """A 4-layer random Llama twice as wide: its matrix products are large enough
+    that their bf16 bits depend on the engine's thread count on some CPUs."""
+    from kvreel.connector.tiny_model import build_tiny_llama
+    cache = os.environ.get("KVREEL_TEST_MODEL_CACHE")
+    out = Path(cache) / "wide" if cache else tmp_path_factory.mktemp("wide-llama")
+    return str(build_tiny_llama(out, num_layers=4, hidden_size=512, num_heads=8, seed=7))
+
+
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2000) for _ in range(n)]
 
 
-def run_scenario(args: dict, timeout: int = 600) -> dict:
-    """Run tests/vllm_scenarios.py in a fresh interpreter and return its JSON."""
+def run_scenario(args: dict, timeout: int = 600, name: str = "scenario") -> dict:
+    """Run tests/vllm_scenarios.py's ``name`` in a fresh interpreter and return its JSON."""
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
-        # vLLM keeps one core more back for an engine with a KV connector, so on a
-        # 2-core host plain vLLM would compute on one thread and kvreel's engine on
-        # two; on an AVX2-only CPU the bf16 results depend on the thread count. Every
-        # engine keeps the same core back (the benchmarks' engine_env) so a
-        # comparison differs only in kvreel.
-        from bench.common import engine_env
-        env = engine_env({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                          **args.get("env", {})}, False)      # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
-        proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), "scenario", json.dumps(args),
+        # Engines run on vLLM's own CPU split, as a user's do: kvreel's engine must
+        # compute on the threads plain vLLM's does (bf16 bits depend on the count).
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")},
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               **args.get("env", {})}      # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
+        proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), name, json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             raise AssertionError(f"scenario failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -99,6 +99,38 @@ def test_reuse_after_prefix_cache_reset_is_exact(tiny_model):
     assert m["vllm:kvreel_loaded_bytes_total|host"] > 0 and m["vllm:kvreel_saved_bytes_total|host"] > 0
 
 
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",     # the scheduler's block ids are the test's to read
+              "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # vLLM's collective_rpc sends the page readers to its worker
+PAIR = [tokens(420, 101), tokens(540, 102)]      # 6 and 8 full blocks of 64 tokens
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_restored_pages_are_the_bytes_the_engine_computed(wide_model, tmp_path, tier):
+    """The pages kvreel restores, into a cache overwritten after vLLM's prefix
+    cache was reset, are byte for byte the pages the engine computed."""
+    kv = {"cpu_bytes": "256MiB"} if tier == "host" else {"cpu_bytes": "0", "disk_dir": str(tmp_path / "disk")}
+    got = run_scenario({"model": wide_model, "kvreel": kv, "block_size": 64, "prompts": PAIR, "env": IN_PROCESS},
+                       name="restored_pages")
+    computed, restored = got["computed"], got["restored"]
+    assert [o["num_cached_tokens"] for o in restored["outputs"]] == [384, 512]
+    assert got["metrics"][f"vllm:kvreel_lookup_hit_blocks_total|{tier}"] == 6 + 8
+    assert restored["pages"] == computed["pages"]
+    assert len({d for pages in restored["pages"] for d in pages}) == 6 + 8     # no page left as the filler
+
+
+def test_two_prompts_generated_together_reuse_as_vllms_own_prefix_hit(wide_model):
+    """On vLLM's own CPU split, as a user runs it: kvreel's engine computes on
+    plain vLLM's threads, so its cold outputs and its reuse are plain vLLM's
+    bits (a connected engine on another thread count differed in its last bits
+    on an AVX512-BF16 CPU, reused or not)."""
+    plain = {"model": wide_model, "block_size": 64, "phases": [{"prompts": PAIR, "max_tokens": 12}] * 2}
+    base = run_scenario(plain)
+    reel = run_scenario({"model": wide_model, "block_size": 64, "kvreel": {"cpu_bytes": "256MiB"}, "phases": [
+        {"prompts": PAIR, "max_tokens": 12}, {"before": "reset_prefix_cache", "prompts": PAIR, "max_tokens": 12}]})
+    assert [o["num_cached_tokens"] for o in reel["phases"][1]] == [384, 512]
+    assert_same(plain, base, reel)
+
+
 def test_reuse_after_eviction_from_tiny_kv_space(tiny_model):
     # 48 blocks of 32 tokens: the two 500-token prompts push P_LONG out of vLLM's cache.
     plain = {"model": tiny_model, "num_blocks": 48, "phases": [{"prompts": [P_LONG]}, {"prompts": [P_LONG]}]}

@@ -49,3 +49,30 @@ def test_retrieval_settings_reach_the_attention_layers_from_the_extra_config(mon
     assert engine_settings(engine({"retrieval": "resv"}, connector="ExampleConnector")) is None
     monkeypatch.setenv("KVREEL_RETRIEVAL", "resv")
     assert engine_settings(engine()).retrieval == "resv"                   # the environment, as before
+
+
+def test_an_engine_with_kvreel_computes_on_the_cpus_plain_vllm_computes_on(monkeypatch):
+    """vLLM keeps one core more back for any KV connector (ExampleConnector shows
+    it); kvreel's keeps plain vLLM's split (other thread counts give other bf16
+    bits), unless VLLM_CPU_NUM_OF_RESERVED_CPU says otherwise."""
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    from kvreel.connector.retrieval.plugin import attaches_kvreel
+    from kvreel.connector.vllm_internals import keep_plain_cpu_split
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+
+    def split(connector=None):
+        transfer = connector and KVTransferConfig(
+            kv_connector=connector, kv_role="kv_both",
+            kv_connector_module_path="kvreel.connector" if connector == "KVReelConnector" else None)
+        m = OMPProcessManager(VllmConfig(kv_transfer_config=transfer))
+        return m.reserve_cpu_num, m.cpu_lists, m.reserved_cpu_list
+    keep_plain_cpu_split(attaches_kvreel)
+    keep_plain_cpu_split(attaches_kvreel)                  # installed once however often the plugin runs
+    plain = split()
+    assert split("ExampleConnector")[0] == plain[0] + 1
+    assert split("KVReelConnector") == plain
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", str(plain[0] + 1))
+    assert split("KVReelConnector")[0] == plain[0] + 1

@@ -153,6 +153,60 @@ def kill_matching(program: str) -> None:
     assert killed, f"no process runs {program!r}"
 
 
+def track_block_ids(llm) -> dict[int, list[int]]:
+    """Block ids (first KV cache group) of each running request by prompt
+    length, as last scheduled (engine core in this process only)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    seen: dict[int, list[int]] = {}
+    schedule = scheduler.schedule
+
+    def schedule_and_record(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        for req in scheduler.running:
+            seen[len(req.prompt_token_ids)] = list(scheduler.kv_cache_manager.get_block_ids(req.request_id)[0])
+        return out
+
+    scheduler.schedule = schedule_and_record
+    return seen
+
+
+def _page_digests(worker, block_ids: list[int]) -> list[str]:
+    """Run in the worker (vLLM's ``collective_rpc``): a digest of each block's page over every layer."""
+    import hashlib
+
+    import torch
+    caches = worker.model_runner.kv_caches          # per layer: [blocks, ...] pages
+    return [hashlib.sha256(b"".join(c[b].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                                    for c in caches)).hexdigest() for b in block_ids]
+
+
+def _fill_pages(worker, byte: int) -> None:
+    import torch
+    for c in worker.model_runner.kv_caches:
+        c.view(-1).view(torch.uint8).fill_(byte)
+
+
+def restored_pages(args: dict) -> dict:
+    """The pages of every full prompt block, as the engine computed them (digests
+    over all layers), then after vLLM's prefix cache was reset, every page of the
+    cache overwritten with one byte value, and the prompts served again from kvreel."""
+    bs = args["block_size"]
+    llm = make_llm(args["model"], kvreel=args["kvreel"], block_size=bs)
+    ids = track_block_ids(llm)
+    out: dict = {}
+    for phase in ("computed", "restored"):
+        if phase == "restored":
+            assert llm.reset_prefix_cache()
+            llm.collective_rpc(_fill_pages, args=(0x5A,))
+        res = run(llm, args["prompts"], args.get("max_tokens", 12))
+        out[phase] = {"outputs": res, "block_ids": [ids[len(p)] for p in args["prompts"]],
+                      "pages": [llm.collective_rpc(_page_digests, args=(ids[len(p)][:(len(p) - 1) // bs],))[0]
+                                for p in args["prompts"]]}
+    out["metrics"] = kvreel_metrics(llm)
+    close(llm)
+    return out
+
+
 def scenario(args: dict) -> dict:
     """Run ``phases`` on one engine; each phase: prompts, after optional actions
     (``before``: one or a list of reset_prefix_cache, restart, kill:PROGRAM, shell:COMMAND).
@@ -160,7 +214,7 @@ def scenario(args: dict) -> dict:
     model = args["model"]
     kvreel = args.get("kvreel")
     out = {"phases": []}
-    engine = {k: args[k] for k in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+    engine = {k: args[k] for k in ("num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                                    "disable_hybrid_kv_cache_manager", "kv_events") if k in args}
     events = EventSubscriber(args["kv_events"]) if "kv_events" in args else None
     llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
@@ -194,6 +248,6 @@ def scenario(args: dict) -> dict:
 if __name__ == "__main__":
     name, args_json, out_path = sys.argv[1:4]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    result = {"scenario": scenario}[name](json.loads(args_json))
+    result = {"scenario": scenario, "restored_pages": restored_pages}[name](json.loads(args_json))
     with open(out_path, "w") as f:
         json.dump(result, f)
