@@ -354,7 +354,7 @@ def retrieval_counters() -> dict[str, float]:
         if metric.name.startswith(("vllm:kvreel_retrieval", "vllm:kvreel_dre")):
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
-                    label = sample.labels.get("outcome") or sample.labels.get("how") or ""
+                    label = sample.labels.get("outcome") or sample.labels.get("how") or sample.labels.get("by") or ""
                     out[sample.name + ("|" + label if label else "")] = sample.value
     return out
 

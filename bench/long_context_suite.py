@@ -58,6 +58,8 @@ def engine_main(args: dict) -> None:
     kw = {}
     if args["kvreel"]:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
+    if args.get("yarn"):
+        kw["hf_overrides"] = yarn_overrides(args["model"], args["yarn"])
     llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"],
               max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"],
               seed=0, disable_log_stats=False, dtype=args["dtype"], **kw)
@@ -78,6 +80,17 @@ def engine_main(args: dict) -> None:
     report({"answers": answers, "cases_s": cases_s, "held_out_s": held_out_s, "top1": top1, "metrics": before,
             "held_out_metrics": {k: after.get(k, 0) - before.get(k, 0) for k in after}})
     llm.llm_engine.engine_core.shutdown()
+
+
+def yarn_overrides(model: str, factor: float) -> dict:
+    """vLLM's ``hf_overrides`` that stretch ``model``'s RoPE by YaRN ``factor``
+    (vLLM 0.32 with transformers 5 reads ``rope_parameters``)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    native = config["max_position_embeddings"]
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                                "original_max_position_embeddings": native},
+            "max_position_embeddings": int(native * factor)}
 
 
 def history_share(m: dict) -> float | None:
@@ -105,6 +118,8 @@ def main() -> None:
                     "float32 where the CPU lacks fast bf16 (AVX2 only), which also moves near ties")
     ap.add_argument("--runs", type=int, default=1, help="runs of every setting, round-robin: wall times are "
                     "their medians, every run's is kept, and whether answers matched the first run's")
+    ap.add_argument("--yarn", type=float, default=0, help="stretch the model's RoPE by YaRN this factor (vLLM's "
+                    "hf_overrides), full attention and retrieval alike: 4 takes SmolLM2's 8K to 32K")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -121,7 +136,7 @@ def main() -> None:
         configs.append((f"{method} share={share}" + "".join(f" {k}={v}" for k, v in extra.items()), method, env))
     name = a.name or f"long_context_suite_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
-                                           "held_out_tokens", "seed", "dtype", "runs")}
+                                           "held_out_tokens", "seed", "dtype", "runs", "yarn")}
     inputs_sha256 = hashlib.sha256(json.dumps([[c.prompt_ids for c in cases], held_out]).encode()).hexdigest()
     import vllm
     here = machine()
@@ -130,7 +145,7 @@ def main() -> None:
         work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
         work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
         engine_args = {"model": a.model, "work": str(work), "chunk": a.chunk, "batch": a.batch,
-                       "max_tokens": a.max_tokens, "dtype": a.dtype,
+                       "max_tokens": a.max_tokens, "dtype": a.dtype, "yarn": a.yarn,
                        "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens}
         for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
             for label, method, env in configs:
@@ -185,6 +200,7 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "history_share": history_share(got["metrics"]),
             "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
             "dre_tables": {k.split("|")[1]: v for k, v in got["metrics"].items() if "dre_tables" in k},
+            "scored_tokens": {k.split("|")[1]: v for k, v in got["metrics"].items() if "scored_tokens" in k},
             "held_out_top1_agreement": agree,
             "held_out_history_share": history_share(got["held_out_metrics"]),
             "top1": got["top1"] if method is None else None}

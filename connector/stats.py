@@ -55,6 +55,10 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                  "History blocks (between sinks and window) seen by retrieval attention", ()),
     "retrieval_kept_blocks": ("vllm:kvreel_retrieval_kept_blocks_total",
                               "History blocks retrieval attention selected and attended to", ()),
+    "retrieval_scored_tokens": ("vllm:kvreel_retrieval_scored_tokens_total",
+                                "History tokens of long sequences' attention calls, by how a call ranked them: "
+                                "keys (each key scored with the call's queries), or passed over without a score "
+                                "by the DRE's clusters or by the blocks' key bounds", ("by",)),
     "dre_restarts": ("vllm:kvreel_dre_restarts_total", "Times the DRE service was found dead and restarted", ()),
     "dre_tables": ("vllm:kvreel_dre_tables_total",
                    "History tables sent to the DRE, by how: clustered anew, or extended with a growing "
@@ -66,6 +70,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 KNOWN_LABEL_VALUES = {"tier": tuple(t.value for t in Tier),
                       "outcome": ("exact", "selected", "dre_down"),
                       "how": ("clustered", "extended"),
+                      "by": ("keys", "clusters", "bounds"),
                       "result": ("issued", "used", "wasted", "failed")}
 
 

@@ -91,5 +91,9 @@ def test_small_budget_completes_survives_a_dre_kill_and_preemption(tiny_model, r
     assert m.get("vllm:kvreel_retrieval_steps_total|dre_down", 0) > 0      # the killed DRE was noticed...
     assert m.get("vllm:kvreel_dre_restarts_total", 0) >= 1                 # ...and restarted
     assert m["vllm:kvreel_dre_tables_total|extended"] > 0                  # tables grow with the session
+    # the clusters passed over history tokens without scoring them, and decoding steps the blocks' bounds
+    assert m["vllm:kvreel_retrieval_scored_tokens_total|keys"] > 0
+    assert m["vllm:kvreel_retrieval_scored_tokens_total|clusters"] > 0
+    assert m["vllm:kvreel_retrieval_scored_tokens_total|bounds"] > 0
     assert m["vllm:num_preemptions_total"] > 0
 

@@ -83,7 +83,8 @@ def kvreel_metrics(llm) -> dict:
         if metric.name.startswith("vllm:kvreel_") or metric.name == "vllm:num_preemptions":
             for s in metric.samples:
                 if s.name.endswith("_total"):
-                    label = next((s.labels[k] for k in ("tier", "form", "outcome", "how", "result") if k in s.labels), "")
+                    label = next((s.labels[k] for k in ("tier", "form", "outcome", "how", "result", "by")
+                                  if k in s.labels), "")
                     out[f"{s.name}|{label}" if label else s.name] = s.value
     return out
 

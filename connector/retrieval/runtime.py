@@ -263,9 +263,10 @@ class RetrievalRuntime:
         lh = hist.layers[layer]
         if self.cfg.retrieval_decode_candidates:
             dre_down = self._ask_dre(req_id, layer)
+            tally: dict = {}
             blocks = choose_blocks(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
-                                   self.cfg.retrieval_decode_candidates, self._temporaries)
-            self._count_choice(hist, dre_down, blocks.shape[1])
+                                   self.cfg.retrieval_decode_candidates, self._temporaries, tally)
+            self._count_choice(hist, dre_down, blocks.shape[1], tally)
             ws.hold_blocks(lh, blocks)
         else:
             ws.hold(lh, self.choose_in_groups(req_id, layer, queries, queries.shape[1])[0])
@@ -277,11 +278,13 @@ class RetrievalRuntime:
         (``choose_tokens_in_groups``)."""
         hist = self.histories[req_id]
         dre_down = self._ask_dre(req_id, layer)
+        tally: dict = {}
         chosen = choose_tokens_in_groups(hist.layers[layer], queries, group_rows, self.cfg.retrieval_alpha,
                                          self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
-                                         self.cfg.retrieval_narrowing, self._temporaries)
+                                         self.cfg.retrieval_narrowing, self._temporaries, tally)
         for tokens in chosen:
-            self._count_choice(hist, dre_down, tokens.shape[1] // self.block_size)
+            self._count_choice(hist, dre_down, tokens.shape[1] // self.block_size, tally)
+            tally = {}                         # the call's scoring counts once, not per group
         return chosen
 
     def _ask_dre(self, req_id: str, layer: int) -> bool:
@@ -296,11 +299,13 @@ class RetrievalRuntime:
             self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, self.working.get((req_id, layer)))
         return clustered and client is None
 
-    def _count_choice(self, hist: RequestHistory, dre_down: bool, kept_blocks: int) -> None:
-        with self._stats_lock:            # once per layer-step: one lock for the three
+    def _count_choice(self, hist: RequestHistory, dre_down: bool, kept_blocks: int, tally: dict) -> None:
+        with self._stats_lock:            # once per layer-step: one lock for them all
             self.stats.add("retrieval_steps", label="dre_down" if dre_down else "selected")
             self.stats.add("retrieval_history_blocks", hist.num_blocks)
             self.stats.add("retrieval_kept_blocks", kept_blocks)
+            for by, tokens in tally.items():
+                self.stats.add("retrieval_scored_tokens", tokens, by)
 
     def reserved_bytes(self) -> int:
         """Bytes every history takes: what it holds, the room it may grow into, its

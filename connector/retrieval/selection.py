@@ -157,16 +157,26 @@ def choose_tokens(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     return choose_tokens_in_groups(lh, queries, queries.shape[1], alpha, count, candidates, narrowing)[0]
 
 
+def tally_scoring(tally: dict | None, history: int, scored: int, narrowing: str) -> None:
+    """Add to ``tally`` a call's ``history`` tokens: ``scored`` by their keys, the
+    rest passed over by ``narrowing`` ("clusters" or "bounds")."""
+    if tally is not None:
+        tally["keys"] = tally.get("keys", 0) + scored
+        if history > scored:
+            tally[narrowing] = tally.get(narrowing, 0) + history - scored
+
+
 def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows: int, alpha: float, count: int,
-                            candidates: int, narrowing: str = "clusters",
-                            scratch: Scratch | None = None) -> list[torch.Tensor]:
+                            candidates: int, narrowing: str = "clusters", scratch: Scratch | None = None,
+                            tally: dict | None = None) -> list[torch.Tensor]:
     """``choose_tokens`` for every run of ``group_rows`` query rows, each group
     selecting with its own rows only (``select_in_groups``, its passes scored
-    in ``scratch`` where given).
+    in ``scratch`` where given; ``tally_scoring`` into ``tally``).
     Narrowing ranks by the largest share any row of the chunk gives (so a row
     looking for a needle brings its cluster or block in, whatever the others want)."""
     bs = lh.block_size
-    if narrows(candidates, count, lh.num_tokens - bs):
+    history = lh.num_tokens - bs
+    if narrows(candidates, count, history):
         if narrowing == "pages":
             blocks = lh.best_blocks(queries, -(-candidates * count // bs))
             scored = block_tokens(blocks, bs)
@@ -174,9 +184,11 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
         else:
             scored = lh.candidates(queries, candidates * count)
             keys = rows_of(lh.keys, scored)
+        tally_scoring(tally, history, scored.shape[1], "bounds" if narrowing == "pages" else "clusters")
         chosen = [scored.gather(1, c) for c in select_in_groups(queries, keys, alpha, count, bs, group_rows,
                                                                 scratch)]
     else:
+        tally_scoring(tally, history, history, "clusters")
         chosen = [c + bs for c in select_in_groups(queries, lh.keys[:, bs:lh.num_tokens], alpha, count, bs,
                                                    group_rows, scratch)]
     sink = torch.arange(bs).expand(lh.heads, -1)
@@ -184,7 +196,7 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
 
 
 def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: int, candidates: int,
-                  scratch: Scratch | None = None) -> torch.Tensor:
+                  scratch: Scratch | None = None, tally: dict | None = None) -> torch.Tensor:
     """The history blocks a decoding step's few query rows ``[H, R, D]`` attend to
     ``[H, 1 + m]``: the sink block, then at most ``count`` tokens' worth of whole
     blocks, best first. The blocks the rows rank best by their keys' bounds
@@ -195,7 +207,7 @@ def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     Whole blocks are what makes a decoding step cheap: the history keeps them as
     vLLM packed them, so holding them is a page copy, and ranking a few dozen
     blocks replaces sorting thousands of tokens. The scored keys are copied into
-    ``scratch`` where given (``LayerHistory.block_keys``)."""
+    ``scratch`` where given (``LayerHistory.block_keys``); ``tally_scoring`` into ``tally``."""
     bs, H = lh.block_size, lh.heads
     held = lh.num_tokens // bs
     if narrows(candidates, count, lh.num_tokens - bs):
@@ -203,6 +215,7 @@ def choose_blocks(lh: LayerHistory, queries: torch.Tensor, alpha: float, count: 
     else:
         scored = torch.arange(1, held).expand(H, -1)
     n = scored.shape[1]
+    tally_scoring(tally, lh.num_tokens - bs, n * bs, "bounds")
     q = queries.to(lh.keys.dtype) * queries.shape[-1] ** -0.5
     share = torch.softmax(_scores(lh.block_keys(scored, scratch), q).float(), -1)       # [H, R, n bs]
     mass = share.view(H, q.shape[1], n, bs).sum(-1)                                      # [H, R, n]
