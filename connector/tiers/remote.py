@@ -236,7 +236,8 @@ class RemoteTier(ChunkTier):
         manifest is missing or unreadable offers only its raw form."""
         try:
             values = self.store.get_many([self.keys.manifest(k) for k in keys])
-        except RemoteError:
+        except RemoteError as e:
+            self._log.warn("kvreel: remote manifests unreadable (%s); fetching %d chunk(s) raw", e, len(keys))
             values = [None] * len(keys)
         out = []
         for v in values:
