@@ -215,8 +215,9 @@ def scenario(args: dict) -> dict:
     model = args["model"]
     kvreel = args.get("kvreel")
     out = {"phases": []}
-    engine = {k: args[k] for k in ("num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                                   "disable_hybrid_kv_cache_manager", "kv_events") if k in args}
+    engine = {k: args[k] for k in ("num_blocks", "block_size", "max_num_seqs", "max_model_len",
+                                   "max_num_batched_tokens", "disable_hybrid_kv_cache_manager", "kv_events")
+              if k in args}
     events = EventSubscriber(args["kv_events"]) if "kv_events" in args else None
     llm = make_llm(model, kvreel=kvreel, connector=args.get("connector"), **engine)
     kv_bytes = track_kv_bytes(llm) if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None

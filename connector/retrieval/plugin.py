@@ -5,8 +5,9 @@ bad ``KVREEL_*`` value stops it before anything loads (``check_command_line``).
 On vLLM's CPU platform it gives an engine with kvreel's connector the
 threads plain vLLM's engine gets (``keep_plain_cpu_split``: the same bits),
 puts kvreel's retrieval backend in place of ``CPU_ATTN`` and teaches vLLM's
-KV cache manager kvreel's offloaded-history spec. The backend is vLLM's own, unchanged, unless the engine being built has
-kvreel's connector with retrieval on (``engine_settings``): the plugin runs
+KV cache manager kvreel's offloaded-history spec. The backend is vLLM's own,
+unchanged, unless the engine being built has kvreel's connector with
+retrieval on (``engine_settings``): the plugin runs
 before any engine's configuration is known, and only then do settings given
 in ``kv_connector_extra_config`` reach the attention layers as the
 environment's do."""
