@@ -91,8 +91,13 @@ def test_a_killed_master_costs_bounded_misses_then_its_replica_serves(redis_clus
         assert outcomes[-1][0] == "served", outcomes
         assert max(dt for _, dt in outcomes) < 10 * TIMEOUT_S, outcomes
         store = open_store(url(redis_cluster), timeout_s=TIMEOUT_S)
-        roles = [n.split()[1] for n in store.nodes()]
-        assert roles.count("master") == 3 and roles.count("master,fail") == 1     # the replica took over
+        deadline = time.monotonic() + 15           # the node asked may hear of the promotion a gossip round later
+        while True:
+            roles = [n.split()[1] for n in store.nodes()]
+            if (roles.count("master") == 3 and roles.count("master,fail") == 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert roles.count("master") == 3 and roles.count("master,fail") == 1, roles    # the replica took over
         store.close()
     finally:
         tier.close()
