@@ -39,6 +39,8 @@ from shaper import Shaper  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 
+MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+
 POLICIES = {"lru": {"KVREEL_EVICTION": "lru"},
             "workflow": {"KVREEL_EVICTION": "workflow", "KVREEL_PREFETCH_DEPTH": "0"},
             "workflow+prefetch": {"KVREEL_EVICTION": "workflow"}}

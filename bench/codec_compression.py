@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import save  # noqa: E402
 
+MEASURES = ("codec",)  # what its figures measure: bench/report.py marks them stale after a change
+
 
 def entropy_bits(a: np.ndarray) -> float:
     counts = np.bincount(a.reshape(-1).astype(np.int64))

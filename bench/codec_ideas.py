@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from codec_compression import entropy_bits, video_bytes  # noqa: E402
 from common import save  # noqa: E402
 
+MEASURES = ("codec",)  # what its figures measure: bench/report.py marks them stale after a change
+
 
 def rope_tables(T: int, D: int, theta: float):
     inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)

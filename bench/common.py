@@ -400,8 +400,8 @@ def engine_or_main(engine_main, main) -> None:
 def save(name: str, payload: dict) -> Path:
     """Write a whole new results file (never merged with an older run)."""
     RESULTS.mkdir(exist_ok=True)
-    payload = {"benchmark": name, "commit": STARTED_AT, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), **payload}
+    payload = {"benchmark": name, "script": Path(sys.argv[0]).name, "commit": STARTED_AT,
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), **payload}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     return path

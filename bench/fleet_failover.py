@@ -34,6 +34,8 @@ from soak import greedy_gaps  # noqa: E402
 
 from kvreel.connector.cli import stop_server  # noqa: E402
 
+MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+
 
 def complete(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,

@@ -30,6 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import commit, machine, save_figure  # noqa: E402
 
+MEASURES = ("codec", "connector")  # what its figures measure: bench/report.py marks them stale after a change
+
 
 def nvdec_checks(data_dir: Path) -> dict:
     """Per resolution: exactness, one decoder's rate, and a DecoderPool's rate with

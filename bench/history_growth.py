@@ -33,6 +33,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 
+MEASURES = ("connector/retrieval",)  # what its figures measure: bench/report.py marks them stale after a change
+
 MODES = {"every layer at once": False, "one layer a step": True}
 
 

@@ -46,6 +46,8 @@ from common import (CONNECTOR, RESULTS, STARTED_AT, engine_in_subprocess, engine
                     plot_agreement, python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
+MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
+
 MIN_TOKENS = 2048           # kvreel's retrieval threshold (its default): agreement is counted past it
 
 

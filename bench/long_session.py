@@ -39,6 +39,8 @@ from common import (CONNECTOR, engine_in_subprocess, engine_or_main, python_sour
 
 from kvreel.connector.config import KVReelConfig  # noqa: E402
 
+MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
+
 
 
 def run_engine(args: dict) -> dict:

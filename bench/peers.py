@@ -65,6 +65,8 @@ from common import (free_port, python_source_corpus, save, save_figure, scratch,
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
+MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
+
 CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host", "lmcache-disk", "kvreel-disk",
            "lmcache+kvreel", "kvreel-redis", "kvreel-host-step", "kvreel-ceiling-step")
 EQUAL_TERMS = CONFIGS[:7]

@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (free_port, load_results, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
                     save, save_figure, scratch, start_openai_server, start_redis)
 
+MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+
 CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
                         "kv_role": "kv_both"})
 

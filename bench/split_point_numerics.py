@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import equal_cpu_split, python_source_corpus, save  # noqa: E402
 from soak import soak_prompt  # noqa: E402
 
+MEASURES = ()  # plain vLLM only: its figures never go stale (bench/report.py)
+
 
 def main():
     ap = argparse.ArgumentParser()

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, equal_cpu_split, load_results, machine_words, plot_lines,  # noqa: E402
                     python_source_corpus, save)
 
+MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
+
 
 
 def make_llm(model, extra, **kw):

@@ -315,7 +315,7 @@ def _known(name: str, shown: str) -> str:
 
 
 def settings_table_markdown() -> str:
-    """The env-var reference as a Markdown table (README and deploy/ embed it)."""
+    """The env-var reference as a Markdown table (docs/configuration.md and deploy/README.md embed it)."""
     rows = ["| variable | default | accepts | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
         default = "unset" if s.default is None else (

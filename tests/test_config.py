@@ -54,9 +54,9 @@ def test_unknown_extra_config_key():
         KVReelConfig.load(env={}, overrides={"chunk_token": 64})
 
 
-def test_readme_documents_every_setting():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert settings_table_markdown() in readme
+def test_configuration_reference_documents_every_setting():
+    reference = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert settings_table_markdown() in reference
 
 
 @pytest.mark.parametrize("env, message", [

@@ -1,0 +1,240 @@
+"""The results tables of README.md and bench/README.md, written from the
+committed results (``bench/results/*.json``) between their markers, so that no
+figure in either is typed by hand.
+
+Every figure names its JSON, the commit and machine that made it and every
+run (median [min-max] where timed). A figure is marked **stale** in the table
+itself when the package paths its benchmark measures (each script's
+``MEASURES``) changed after the commit that measured it, and **unbacked**
+when that commit is not in this checkout's history or had uncommitted changes.
+
+    python bench/report.py            # rewrite both tables
+    python bench/report.py --check    # exit 1 if a committed table differs (tests/test_report.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).parents[1]
+RESULTS = ROOT / "bench" / "results"
+PACKAGE = ("connector", "scheduler", "codec")
+# results written before save() recorded the script (``--name`` chose another name)
+OLDER_NAMES = {"no_reuse": "peers", "long_context_held_out": "long_context_suite", "prefill_alpha": "prefill_groups",
+               "prefill_budget": "prefill_groups"}
+
+
+def git(*args: str) -> str | None:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def script_of(name: str, result: dict) -> Path | None:
+    """The benchmark script that wrote results ``name``."""
+    if result.get("script"):
+        return ROOT / "bench" / result["script"]
+    scripts = sorted((p.stem for p in (ROOT / "bench").glob("*.py")), key=len, reverse=True)
+    for prefix, stem in OLDER_NAMES.items():
+        if name.startswith(prefix):
+            return ROOT / "bench" / f"{stem}.py"
+    stem = next((s for s in scripts if name == s or name.startswith(s + "_")), None)
+    return ROOT / "bench" / f"{stem}.py" if stem else None
+
+
+@functools.cache
+def measures(script: Path | None) -> tuple[str, ...]:
+    """The package paths a script's figures measure: its ``MEASURES`` (read, not
+    imported: the scripts import vLLM), the whole package where it has none."""
+    if script is None or not script.exists():
+        return PACKAGE
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MEASURES" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return PACKAGE
+
+
+@functools.cache
+def status(commit: str, paths: tuple[str, ...]) -> str:
+    """``current``, ``stale: N commits to PATHS since`` or ``unbacked: ...``."""
+    if not commit or commit == "unknown":
+        return "unbacked: no commit recorded"
+    if commit.endswith("+changes"):
+        return "unbacked: measured with uncommitted changes"
+    if not paths:
+        return "current"
+    if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return "unbacked: commit not in this history"
+    since = git("rev-list", "--count", f"{commit}..HEAD", "--", *paths)
+    return "current" if since == "0" else f"stale: {since} commits to {', '.join(paths)} since"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """``median [min-max]`` (the value alone for one run)."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def listed(values: list[float], fmt: str = "{:.2f}") -> str:
+    return ", ".join(fmt.format(v) for v in values)
+
+
+def machine_words(m: dict) -> str:
+    model = m.get("cpu_model", "").replace("(R)", "").replace("(TM)", "").replace(" Processor", "")
+    return f"{m.get('cpus', '?')}-core {model + ' ' if model else ''}{m.get('cpu_isa', 'x86')}"
+
+
+@dataclass
+class Figure:
+    figure: str             # the claim, with its medians and ranges
+    runs: str               # every run's value
+    n_runs: int
+
+
+@dataclass
+class Headline:
+    result: str             # what is compared, in a reader's words
+    name: str               # bench/results/NAME.json
+    take: Callable[[dict], Figure]
+
+
+def _served(d: dict, workload: str, config: str, field: str = "request_throughput") -> list[float]:
+    return [r[field] for r in d["results"][workload][config]["runs"]]
+
+
+def ratio_of(d: dict, workload: str, ours: str, theirs: str, field: str = "request_throughput",
+             unit: str = "req/s", fmt: str = "{:.2f}") -> Figure:
+    """Ours against theirs: the ratio of the medians, each median [min-max]."""
+    a, b = _served(d, workload, ours, field), _served(d, workload, theirs, field)
+    r = statistics.median(a) / statistics.median(b)
+    return Figure(f"**{r:.2f}x** ({spread(a, fmt)} vs {spread(b, fmt)} {unit})",
+                  f"{listed(a, fmt)} vs {listed(b, fmt)}", min(len(a), len(b)))
+
+
+def suite_score(d: dict, label: str) -> Figure:
+    full, ours = d["results"]["full attention"], d["results"][label]
+    return Figure(f"{ours['right_total']:g} vs {full['right_total']:g} of {ours['cases']} cases "
+                  f"(full attention), reading {100 * ours['history_share']:.1f} % of the history",
+                  "deterministic (greedy): 1 run", ours["runs"])
+
+
+def tpot_growth(d: dict) -> Figure:
+    rows = {r["tokens"]: r for r in d["runs"]["vLLM + kvreel resv (defaults), 128-block cache"]["rows"]}
+    full = {r["tokens"]: r for r in d["runs"]["vLLM, cache holds every session (full attention)"]["rows"]}
+    a, b, f = rows[65536]["tpot_ms_each_run"], rows[4096]["tpot_ms_each_run"], full[65536]["tpot_ms_each_run"]
+    m = statistics.median
+    return Figure(f"64K/4K **{m(a) / m(b):.2f}x**; vs full attention at 64K **{m(a) / m(f):.2f}x** "
+                  f"({spread(a)} ms at 64K, {spread(b)} at 4K, full {spread(f)})",
+                  f"64K {listed(a)}; 4K {listed(b)}; full 64K {listed(f)}", len(a))
+
+
+def failover(d: dict) -> Figure:
+    return Figure(f"{d['failed']} of {d['requests']} requests failed, {d['wrong_tokens']} of "
+                  f"{d['checked_tokens']} answer tokens differ from an idle engine's", "1 run", 1)
+
+
+HEADLINES = [
+    Headline("vs LMCache (multiprocess, CPU L1), prefix reuse, 4x the paged cache", "peers",
+             lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "lmcache-mem")),
+    Headline("vs LMCache, multi-turn chats", "peers",
+             lambda d: ratio_of(d, "multi_turn", "kvreel-host", "lmcache-mem")),
+    Headline("vs plain vLLM, prefix reuse, 4x the paged cache", "peers",
+             lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "vllm")),
+    Headline("share of the ceiling (plain vLLM whose cache holds everything)", "peers",
+             lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "vllm-ceiling")),
+    Headline("cost where nothing is offloaded (both with the ceiling's cache)", "peers",
+             lambda d: ratio_of(d, "prefix_repetition", "kvreel-ceiling", "vllm-ceiling")),
+    Headline("cost to a request that reuses nothing: TTFT p50", "no_reuse",
+             lambda d: ratio_of(d, "no_reuse", "kvreel-host", "vllm", "ttft_p50_ms", "ms", "{:.0f}")),
+    Headline("fleet: 2 engines behind vllm-router, Redis Cluster, warm (kv_aware vs plain cache_aware)",
+             "fleet_warm", lambda d: ratio_of(d, "prefix_repetition", "kvreel+kv_aware", "plain+cache_aware")),
+    Headline("failover: a Redis Cluster master killed under the fleet's load", "fleet_failover", failover),
+    Headline("long sessions, 4K and 8K: RULER-style suite, 5 tasks x 16 cases, resv at defaults",
+             "long_context_suite_smollm2-135m_bf16_16cases_resv", lambda d: suite_score(d, "resv share=0.125")),
+    Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth),
+]
+
+
+def headline_table() -> str:
+    lines = ["| result | figure: median [min-max] | every run | model, machine | JSON, commit | status |",
+             "|---|---|---|---|---|---|"]
+    for h in HEADLINES:
+        d = load(h.name)
+        f = h.take(d)
+        state = status(d["commit"], measures(script_of(h.name, d)))
+        mark = "" if state == "current" else f"**{state}**"
+        lines.append(f"| {h.result} | {f.figure} | {f.runs} | {Path(str(d.get('model'))).name}, "
+                     f"{machine_words(d['machine'])} | `{h.name}.json`, {d['commit'][:7]} | {mark or 'current'} |")
+    return "\n".join(lines)
+
+
+def index_table() -> str:
+    """Every committed results file: what wrote it, where, on what, and whether it is current."""
+    lines = ["| JSON | script | model | machine | commit, date | runs | status |", "|---|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("*.json")):
+        d = json.loads(path.read_text())
+        script = script_of(path.stem, d)
+        runs = (d.get("settings") or {}).get("runs") or (d.get("settings") or {}).get("repeats") or "1"
+        lines.append(f"| `{path.name}` | {script.name if script else '?'} | {Path(str(d.get('model'))).name} | "
+                     f"{machine_words(d.get('machine') or {})} | {d.get('commit', '?')[:7]}, "
+                     f"{str(d.get('when', '?'))[:10]} | {runs} | "
+                     f"{status(d.get('commit', ''), measures(script))} |")
+    return "\n".join(lines)
+
+
+def settings_table() -> str:
+    from kvreel.connector.config import settings_table_markdown
+    return settings_table_markdown().rstrip("\n")
+
+
+TABLES = {ROOT / "README.md": {"headline": headline_table},
+          ROOT / "bench" / "README.md": {"headline": headline_table, "index": index_table},
+          ROOT / "docs" / "configuration.md": {"settings": settings_table},
+          ROOT / "deploy" / "README.md": {"settings": settings_table}}
+
+
+def rendered(text: str, tables: dict[str, Callable[[], str]]) -> str:
+    """``text`` with every ``<!-- report:NAME -->`` ... ``<!-- /report:NAME -->`` block rewritten."""
+    for name, make in tables.items():
+        start, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
+        if start not in text or end not in text:
+            raise SystemExit(f"report: no {start} ... {end} markers")
+        head, rest = text.split(start, 1)
+        text = f"{head}{start}\n{make()}\n{end}{rest.split(end, 1)[1]}"
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a committed table differs from the results")
+    a = ap.parse_args()
+    differ = []
+    for path, tables in TABLES.items():
+        old = path.read_text()
+        new = rendered(old, tables)
+        if new != old:
+            differ.append(path.relative_to(ROOT))
+            if not a.check:
+                path.write_text(new)
+    if a.check and differ:
+        print(f"out of date: {', '.join(map(str, differ))} (python bench/report.py rewrites them)", file=sys.stderr)
+        sys.exit(1)
+    for path in differ if not a.check else []:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""bench/report.py: the results tables in README.md, bench/README.md and the
+settings tables in docs/ are what the generator writes from the committed
+JSONs, and a figure is marked stale or unbacked when it is."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import report  # noqa: E402
+
+
+@pytest.mark.parametrize("path", list(report.TABLES), ids=lambda p: str(p.relative_to(report.ROOT)))
+def test_committed_tables_are_the_generators_output(path):
+    text = path.read_text()
+    assert report.rendered(text, report.TABLES[path]) == text, "run: python bench/report.py"
+
+
+def test_every_headline_names_a_committed_json_and_its_runs():
+    for h in report.HEADLINES:
+        d = report.load(h.name)
+        figure = h.take(d)
+        assert figure.n_runs >= 1 and figure.runs and d["commit"], h.name
+
+
+def test_a_figure_is_stale_once_its_paths_change_and_unbacked_without_a_commit():
+    head = report.git("rev-parse", "HEAD")
+    first = report.git("rev-list", "--max-parents=0", "HEAD").split()[0]
+    assert report.status(head, ("connector",)) == "current"
+    assert report.status(first, ("connector",)).startswith("stale: ")
+    assert report.status(first, ()) == "current"                          # plain vLLM measures no package path
+    assert report.status(head + "+changes", ("connector",)) == "unbacked: measured with uncommitted changes"
+    assert report.status("0" * 40, ("connector",)) == "unbacked: commit not in this history"
+
+
+def test_every_benchmark_that_saves_results_declares_what_it_measures():
+    import ast
+    savers = 0
+    for script in sorted((report.ROOT / "bench").glob("*.py")):
+        body = ast.parse(script.read_text()).body
+        if any(isinstance(n, ast.ImportFrom) and n.module == "common" and "save" in {a.name for a in n.names}
+               for n in body):
+            savers += 1
+            names = {t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+            assert "MEASURES" in names, script.name
+    assert savers >= 15
