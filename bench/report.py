@@ -64,7 +64,9 @@ def measures(script: Path | None) -> tuple[str, ...]:
 
 @functools.cache
 def status(commit: str, paths: tuple[str, ...]) -> str:
-    """``current``, ``stale: N commits to PATHS since`` or ``unbacked: ...``."""
+    """``current``, ``stale: PATHS changed since`` or ``unbacked: ...``. The code is
+    compared with this checkout's files, so a change still to be committed counts
+    (the table written before a commit is the table after it)."""
     if not commit or commit == "unknown":
         return "unbacked: no commit recorded"
     if commit.endswith("+changes"):
@@ -73,8 +75,8 @@ def status(commit: str, paths: tuple[str, ...]) -> str:
         return "current"
     if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         return "unbacked: commit not in this history"
-    since = git("rev-list", "--count", f"{commit}..HEAD", "--", *paths)
-    return "current" if since == "0" else f"stale: {since} commits to {', '.join(paths)} since"
+    changed = [p for p in paths if git("diff", "--quiet", commit, "--", p) is None]
+    return f"stale: {', '.join(changed)} changed since" if changed else "current"
 
 
 def load(name: str) -> dict:

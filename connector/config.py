@@ -71,8 +71,27 @@ def _int_setting(name, default, doc, lo, hi):
     return Setting(name, int, default, f"an integer in [{lo}, {hi}]", doc, lambda v: lo <= v <= hi)
 
 
-def _path_or_none(text: str) -> str | None:
-    return text or None
+def _directory(text: str) -> str | None:
+    """A directory path that may not exist yet (the tier creates it), not a file."""
+    if not text:
+        return None
+    if "\0" in text or os.path.isfile(text):
+        raise ValueError(text)
+    return text
+
+
+def _dre_address(text: str) -> str | None:
+    """A Unix-socket path (it has a ``/``) or ``host:port`` (``dre_wire.listen``/``connect`` read either)."""
+    if not text:
+        return None
+    if "/" in text:
+        if "\0" in text or os.path.isdir(text):
+            raise ValueError(text)
+        return text
+    host, colon, port = text.rpartition(":")
+    if not colon or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
+        raise ValueError(text)
+    return text
 
 
 def _remote_url(text: str) -> str | None:
@@ -122,7 +141,7 @@ def _one_of(*choices: str) -> Callable[[Any], bool]:
 SETTINGS: tuple[Setting, ...] = (
     _bytes_setting("CPU_BYTES", 4 * 1024**3,
                    "Host-memory tier size per worker (pinned on CUDA). 0 disables the host tier."),
-    Setting("DISK_DIR", _path_or_none, None, "a writable directory path (unset: no disk tier)",
+    Setting("DISK_DIR", _directory, None, "a writable directory path (unset: no disk tier)",
             "Disk tier directory; chunks persist there across engine restarts."),
     _bytes_setting("DISK_BYTES", 64 * 1024**3, "Disk tier capacity; least recently used chunks are deleted beyond it.",
                    minimum=1024**2),
@@ -227,7 +246,7 @@ SETTINGS: tuple[Setting, ...] = (
                  "history fits; longer ones read a smaller share, so a decoding step's cost grows little with "
                  "the history); held in kvreel's buffer beside vLLM's cache (engine KV memory = paged cache + "
                  "working sets).", 32, 1 << 24),
-    Setting("DRE_ADDRESS", _path_or_none, None, "a Unix-socket path or host:port (unset: the worker starts its own "
+    Setting("DRE_ADDRESS", _dre_address, None, "a Unix-socket path or host:port (unset: the worker starts its own "
             "DRE on a private Unix socket)", "Where the DRE service listens (`kvreel dre --address ...`)."),
     Setting("DRE_SECRET_HEX", _hex_secret, None, "an even number of hex digits, at least 32",
             "Shared secret between kvreel and the DRE service (HMAC challenge); unset: no authentication."),

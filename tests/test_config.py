@@ -34,11 +34,21 @@ def test_extra_config_overrides_env():
     ({"KVREEL_REMOTE_FORMS": "raw,video", "KVREEL_FETCH_FORM": "video@300"}, "is not a stored resolution"),
     ({"KVREEL_FETCH_POLICY": "lifo"}, "expected fair or fcfs"),
     ({"KVREEL_FETCH_MODE": "sync"}, "expected async or blocking"),
+    ({"KVREEL_DISK_DIR": "/etc/hostname"}, "KVREEL_DISK_DIR='/etc/hostname' is invalid: expected a writable directory"),
+    ({"KVREEL_DRE_ADDRESS": "localhost"}, "KVREEL_DRE_ADDRESS='localhost' is invalid: expected a Unix-socket path"),
+    ({"KVREEL_DRE_ADDRESS": "127.0.0.1:99999"}, "KVREEL_DRE_ADDRESS='127.0.0.1:99999' is invalid"),
+    ({"KVREEL_DRE_ADDRESS": "/tmp"}, "KVREEL_DRE_ADDRESS='/tmp' is invalid"),
 ])
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(ConfigError) as err:
         KVReelConfig.load(env=env)
     assert message in str(err.value)
+
+
+def test_paths_and_addresses_that_parse():
+    cfg = KVReelConfig.load(env={"KVREEL_DISK_DIR": "/var/cache/kvreel-not-yet", "KVREEL_DRE_ADDRESS": "[::1]:7070"})
+    assert (cfg.disk_dir, cfg.dre_address) == ("/var/cache/kvreel-not-yet", "[::1]:7070")
+    assert KVReelConfig.load(env={"KVREEL_DRE_ADDRESS": "/run/kvreel/dre.sock"}).dre_address == "/run/kvreel/dre.sock"
 
 
 def test_remote_forms_parse():

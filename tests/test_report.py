@@ -27,8 +27,8 @@ def test_every_headline_names_a_committed_json_and_its_runs():
 def test_a_figure_is_stale_once_its_paths_change_and_unbacked_without_a_commit():
     head = report.git("rev-parse", "HEAD")
     first = report.git("rev-list", "--max-parents=0", "HEAD").split()[0]
-    assert report.status(head, ("connector",)) == "current"
-    assert report.status(first, ("connector",)).startswith("stale: ")
+    assert report.status(head, ("pyproject.toml",)) == "current"
+    assert report.status(first, ("connector", "pyproject.toml")) == "stale: connector, pyproject.toml changed since"
     assert report.status(first, ()) == "current"                          # plain vLLM measures no package path
     assert report.status(head + "+changes", ("connector",)) == "unbacked: measured with uncommitted changes"
     assert report.status("0" * 40, ("connector",)) == "unbacked: commit not in this history"
