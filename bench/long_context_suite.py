@@ -205,6 +205,10 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "scored_tokens": {k.split("|")[1]: v for k, v in got["metrics"].items() if "scored_tokens" in k},
             "held_out_top1_agreement": agree,
             "held_out_history_share": history_share(got["held_out_metrics"]),
+            "held_out_scored_tokens": {k.split("|")[1]: v for k, v in got["held_out_metrics"].items()
+                                       if "scored_tokens" in k},
+            "held_out_dre_tables": {k.split("|")[1]: v for k, v in got["held_out_metrics"].items()
+                                    if "dre_tables" in k},
             "top1": got["top1"] if method is None else None}
 
 

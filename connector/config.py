@@ -220,8 +220,8 @@ SETTINGS: tuple[Setting, ...] = (
             "the history keeps all of it (outputs identical to vLLM's).", lambda v: 0 < v <= 1),
     _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a prefill chunk's step scores "
                  "exactly with its queries. A history at least twice that long is narrowed first by its DRE "
-                 "clusters (ranked by centroid), so a step's cost grows slower than the history; 0 scores every "
-                 "history token, every step.", 0, 1024),
+                 "clusters (ranked by centroid and by their keys' bounds), so a step's cost grows slower than "
+                 "the history; 0 scores every history token, every step.", 0, 1024),
     _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (and chunks of at most "
                  "KVREEL_RETRIEVAL_ROWS_PER_SET tokens) attend to whole history blocks, copied as vLLM packed "
                  "them: the blocks holding most of their queries' attention, scored exactly among this many times "
@@ -231,8 +231,8 @@ SETTINGS: tuple[Setting, ...] = (
                  "KVREEL_RETRIEVAL_NARROWING).", 0, 1024),
     Setting("RETRIEVAL_NARROWING", str, "clusters", "clusters or pages",
             "What narrows a history longer than twice KVREEL_RETRIEVAL_CANDIDATES times the budget before a "
-            "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid; the DRE runs beside "
-            "the engine) or "
+            "prefill chunk's step scores its tokens: clusters (the DRE's, ranked by centroid and by their "
+            "keys' bounds; the DRE runs beside the engine) or "
             "pages (every block ranked by the most its keys could score with the step's queries, from their "
             "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
             _one_of("clusters", "pages")),

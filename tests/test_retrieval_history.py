@@ -189,9 +189,10 @@ def test_clusters_follow_the_labels_and_rank_the_candidates():
 
 def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
     """The cluster index takes whole clusters in rank order (the last one in
-    part): the same tokens as ranking every token by its cluster's share and
-    keeping the best ``count``; tokens labelled after it was built are always
-    candidates, and a relabelling regroups at once."""
+    part): the same tokens as ranking every token by its cluster's place (the
+    better of its place by centroid share and by bound share) and keeping the
+    best ``count``; tokens labelled after it was built are always candidates,
+    and a relabelling regroups at once."""
     import math
     lh, k, v = history(blocks=24)
     lh.append(pages_of(k, v), 0)
@@ -202,11 +203,24 @@ def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
     q = torch.randn(H, 4, D, generator=g)
 
     def rank_of_every_token():
-        means = lh.sums / lh.counts.clamp_min(1).unsqueeze(-1)
-        share = torch.softmax(torch.bmm(q, means.transpose(1, 2)) * D ** -0.5
-                              + lh.counts.clamp_min(1).log().unsqueeze(1), -1).amax(1) / lh.counts.clamp_min(1)
+        """Each token's cluster's place (lower: better); -1 for tokens not grouped yet."""
+        sizes = lh.counts.clamp_min(1)
+        means = lh.sums / sizes.unsqueeze(-1)
+        share = torch.softmax(torch.bmm(q, means.transpose(1, 2)) * D ** -0.5 + sizes.log().unsqueeze(1),
+                              -1).amax(1) / sizes
+        keys = lh.keys[:, BS:lh.num_tokens].float()
+        bound = torch.full((H, q.shape[1], share.shape[1]), -math.inf)      # from the members themselves
+        for h in range(H):
+            for c in range(share.shape[1]):
+                members = keys[h][lh.labels[h] == c]
+                if len(members):
+                    box = torch.where(q[h] > 0, members.amax(0), members.amin(0))               # [R, D]
+                    bound[h, :, c] = (q[h] * box).sum(-1) * D ** -0.5
+        best = torch.softmax(bound, -1).amax(1)
+        place = torch.minimum(2 * best.argsort(1, descending=True).argsort(1),
+                              2 * share.argsort(1, descending=True).argsort(1) + 1)
         lab = lh.labels[:, :n]
-        return torch.where(lab >= 0, share.gather(1, lab.clamp_min(0)), math.inf)
+        return torch.where(lab >= 0, place.gather(1, lab.clamp_min(0)), -1)
 
     def check_top(cand, count):
         rank = rank_of_every_token()
@@ -214,7 +228,7 @@ def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
             chosen = torch.zeros(n, dtype=torch.bool)
             chosen[cand[h] - BS] = True
             assert int(chosen.sum()) == count == cand.shape[1]
-            assert float(rank[h][chosen].min()) >= float(rank[h][~chosen].max())
+            assert int(rank[h][chosen].max()) <= int(rank[h][~chosen].min())
 
     for count in (3 * BS, 7 * BS + 5, n - 3 * BS):
         check_top(lh.candidates(q, count), count)
@@ -225,6 +239,33 @@ def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
     lh.set_labels(BS, (labels + 1) % 41)                         # every label anew (a Mosaic split)
     check_top(lh.candidates(q, 8 * BS), 8 * BS)
     assert lh._index is not built
+
+
+def test_a_needle_far_from_its_clusters_centroid_is_a_candidate():
+    """A key unlike the rest of its cluster (a needle that joined the nearest
+    cluster) moves the centroid little: ranked by centroid alone its cluster
+    comes last, and a candidate count of a few clusters misses it. The clusters'
+    key bounds rank it first for the query that looks for it."""
+    lh, k, v = history(blocks=24)
+    n, clusters = 23 * BS, 23
+    g = torch.Generator().manual_seed(5)
+    labels = (torch.arange(n) % clusters).expand(H, n)
+    u = torch.nn.functional.normalize(torch.randn(D, generator=g), dim=0)
+    centres = torch.randn(clusters, D, generator=g)
+    centres -= (centres @ u).unsqueeze(1) * u                      # the others: nothing along u
+    centres[0] = -u
+    keys = centres[labels[0]] + 0.05 * torch.randn(n, D, generator=g)
+    needle = 5 * clusters                                            # a token of cluster 0
+    keys[needle] = 8 * u
+    k[BS:] = keys.unsqueeze(1).expand(n, H, D).bfloat16()
+    lh.append(pages_of(k, v), 0)
+    lh.set_labels(BS, labels)
+    q = (3 * u).expand(H, 1, D).contiguous()
+    means = lh.sums / lh.counts.unsqueeze(-1)
+    by_centroid = torch.bmm(q, means.transpose(1, 2))[:, 0]
+    assert bool((by_centroid.argmin(1) == 0).all())                 # its cluster, last by centroid
+    cand = lh.candidates(q, 2 * n // clusters)                      # two clusters' tokens
+    assert all(needle + BS in cand[h].tolist() for h in range(H))
 
 
 def test_a_token_one_row_wants_is_kept_whatever_the_other_rows_want():

@@ -141,6 +141,16 @@ def grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
     return out
 
 
+def _merged(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Per row, two orders ``[H, C]`` of the same ids merged: each id at the better of
+    its two places (ties: ``first``'s), so both orders' leaders come first, alternately."""
+    place = torch.empty_like(first)
+    rows = torch.arange(first.shape[1]).expand_as(first)
+    at_first = place.scatter(1, first, rows * 2)
+    at_second = place.scatter(1, second, rows * 2 + 1)
+    return torch.argsort(torch.minimum(at_first, at_second), dim=1)
+
+
 class LayerHistory:
     """One layer's history of one request."""
 
@@ -151,8 +161,10 @@ class LayerHistory:
         self.pages = torch.empty(0, heads, 2 * block_size, head_dim, dtype=dtype)    # [capacity blocks, ...]
         self.num_tokens = 0                                           # sink block included
         self._labels = torch.empty(heads, 0, dtype=torch.int64)       # room for ``labels``
-        self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32)
-        self.counts = torch.zeros(heads, 0)                           # and size
+        self.sums = torch.zeros(heads, 0, head_dim)                   # per cluster: key sum (float32),
+        self.counts = torch.zeros(heads, 0)                           # size,
+        self.key_max = torch.zeros(heads, 0, head_dim)                # and channel-wise key bounds
+        self.key_min = torch.zeros(heads, 0, head_dim)
         self._index: ClusterIndex | None = None
         self._labelled_since = 0                                      # tokens labelled since it was built
         # per block: channel-wise key max, then min (float32), channel-major [H, 2 D, capacity]: ranking
@@ -175,7 +187,8 @@ class LayerHistory:
     @property
     def reserved_bytes(self) -> int:
         """Bytes of every tensor it keeps, with the room reserved to grow into."""
-        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self._labels, self.sums, self.counts))
+        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self._labels, self.sums, self.counts,
+                                      self.key_max, self.key_min))
 
     def append(self, pages: torch.Tensor, first_block: int, room: int = 0, most: int = 0,
                ahead: float = 0.0) -> torch.Tensor:
@@ -228,7 +241,7 @@ class LayerHistory:
 
     def set_labels(self, first_token: int, labels: torch.Tensor) -> None:
         """Cluster labels ``[H, n]`` of history tokens ``first_token...`` (token ids,
-        sink block excluded); the clusters' key sums and sizes follow."""
+        sink block excluded); the clusters' key sums, sizes and bounds follow."""
         start = first_token - self.block_size
         end = start + labels.shape[1]
         relabel = bool((self.labels[:, start:end] >= 0).any())
@@ -238,39 +251,59 @@ class LayerHistory:
         self._labelled_since += end - start
         clusters = int(labels.max()) + 1 if labels.numel() else 0
         if clusters > self.sums.shape[1]:
-            grow = clusters - self.sums.shape[1]
-            self.sums = torch.cat([self.sums, torch.zeros(self.heads, grow, self.head_dim)], 1)
-            self.counts = torch.cat([self.counts, torch.zeros(self.heads, grow)], 1)
-        if relabel:                                   # Mosaic split clusters: every sum anew
+            grow = (self.heads, clusters - self.sums.shape[1], self.head_dim)
+            self.sums = torch.cat([self.sums, torch.zeros(grow)], 1)
+            self.counts = torch.cat([self.counts, torch.zeros(grow[:2])], 1)
+            self.key_max = torch.cat([self.key_max, torch.full(grow, -math.inf)], 1)
+            self.key_min = torch.cat([self.key_min, torch.full(grow, math.inf)], 1)
+        if relabel:                                   # Mosaic split clusters: every sum and bound anew
             self.sums.zero_()
             self.counts.zero_()
+            self.key_max.fill_(-math.inf)
+            self.key_min.fill_(math.inf)
             start, end = 0, self.num_tokens - self.block_size
         keys = self.keys[:, self.block_size + start:self.block_size + end].float()
         for h in range(self.heads):
             lab = self.labels[h, start:end]
             ok = lab >= 0
-            self.sums[h].index_add_(0, lab[ok], keys[h][ok])
-            self.counts[h].index_add_(0, lab[ok], torch.ones(int(ok.sum())))
+            members, k = lab[ok], keys[h][ok]
+            self.sums[h].index_add_(0, members, k)
+            self.counts[h].index_add_(0, members, torch.ones(len(members)))
+            channels = members.unsqueeze(1).expand_as(k)
+            self.key_max[h].scatter_reduce_(0, channels, k, "amax")
+            self.key_min[h].scatter_reduce_(0, channels, k, "amin")
 
     def candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
         """Per head, ``count`` history tokens after the sink block ``[H, count]``
-        (token ids) whose clusters the query rows ``[H, R, D]`` rank best: every
-        row spreads its mass over the clusters (softmax of ``q . centroid / sqrt D
-        + log size``), and a cluster ranks by the largest per-token share any row
-        gives it. Tokens the cluster index does not group yet (unlabelled, or
-        labelled since it was built) are always candidates (more than ``count``
-        of them: all of them)."""
-        scale = self.head_dim ** -0.5
-        live = self.counts > 0
-        means = self.sums / self.counts.clamp_min(1).unsqueeze(-1)
-        scores = torch.bmm(queries.float(), means.transpose(1, 2)) * scale + self.counts.clamp_min(1).log().unsqueeze(1)
-        share = torch.softmax(scores.masked_fill(~live.unsqueeze(1), -math.inf), dim=-1)
-        per_token = share.amax(1) / self.counts.clamp_min(1)                           # [H, C]
+        (token ids) from the clusters the query rows ``[H, R, D]`` rank best, two
+        ways merged (a cluster at its better place of the two):
+
+        * by centroid: every row spreads its mass over the clusters (softmax of
+          ``q . centroid / sqrt D + log size``), a cluster ranks by the largest
+          per-token share any row gives it (where the cluster's typical token is);
+        * by bound: the most ``q . k`` any key within the cluster's channel-wise
+          bounds can reach (Quest's bound, over a cluster instead of a block), as
+          a softmax share, the largest any row gives: a needle whose key sits far
+          from its cluster's centroid still brings the cluster in.
+
+        Tokens the cluster index does not group yet (unlabelled, or labelled since
+        it was built) are always candidates (more than ``count`` of them: all of them)."""
+        q = queries.float() * self.head_dim ** -0.5
+        live = (self.counts > 0).unsqueeze(1)
+        sizes = self.counts.clamp_min(1)
+        means = self.sums / sizes.unsqueeze(-1)
+        scores = torch.bmm(q, means.transpose(1, 2)) + sizes.log().unsqueeze(1)
+        per_token = torch.softmax(scores.masked_fill(~live, -math.inf), dim=-1).amax(1) / sizes      # [H, C]
+        signed = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1)                                   # [H, R, 2 D]
+        bound = torch.bmm(signed, torch.cat([self.key_max, self.key_min], -1).nan_to_num_(0, 0, 0).transpose(1, 2))
+        best = torch.softmax(bound.masked_fill(~live, -math.inf), dim=-1).amax(1)                 # [H, C]
         n = self.num_tokens - self.block_size
         index = self._cluster_index(count)
         always = index.unlabelled + (n - index.built)
         count = min(n, max(count, int(always.max())))
-        ranked = torch.argsort(per_token[:, :index.sizes.shape[1]], dim=1, descending=True)
+        built = index.sizes.shape[1]
+        ranked = _merged(torch.argsort(best[:, :built], dim=1, descending=True),
+                         torch.argsort(per_token[:, :built], dim=1, descending=True))
         out = torch.empty(self.heads, count, dtype=torch.int64)
         for h in range(self.heads):
             u, a = int(index.unlabelled[h]), int(always[h])

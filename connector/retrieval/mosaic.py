@@ -98,6 +98,14 @@ class MosaicIndex:
     # 1/3 of the history; 3.0, with a few hundred clusters per head, fell short).
     base_k: float = 0.5
     split_std: float = 0.5
+    # A token beyond its nearest cluster's threshold opens a cluster only while the
+    # clusters average at least this many tokens; past that it joins the nearest
+    # (its key then widens the cluster's bounds, which the worker ranks by too).
+    # Unbounded, about 40 % of a long prompt's new tokens opened a cluster
+    # (SmolLM2-135M, YaRN x4, Python: 368 clusters per head from 16 K tokens, 1 200
+    # after 2 K more), so the index grew like the history and narrowed nothing.
+    min_mean_size: int = 32
+    tokens: int = 0
     center: torch.Tensor | float = 0.0      # subtracted from keys before k-means (the history's mean key)
     # every cluster's centroid and visual group, in rows [:len(clusters)] of room that grows
     _cents: torch.Tensor | None = field(default=None, repr=False)
@@ -120,6 +128,7 @@ class MosaicIndex:
                 for t in members.tolist():
                     c.add(t, keys[t].float(), float((keys[t].float() - centroid).norm()))
                 index.clusters.append(c)
+        index.tokens = keys.shape[0]
         return index
 
     @property
@@ -133,6 +142,7 @@ class MosaicIndex:
     def assign(self, token: int, key: torch.Tensor, visual: int) -> int:
         """Online insertion of one new token; the cluster id it joined."""
         key = key.float()
+        self.tokens += 1
         cents, visuals = self._table()
         same = torch.nonzero(visuals == visual).flatten()
         if same.numel():
@@ -140,7 +150,8 @@ class MosaicIndex:
             j = int(d.argmin())
             cid = int(same[j])
             c = self.clusters[cid]
-            if float(d[j]) <= c.threshold(self.base_k):
+            full = len(self.clusters) * self.min_mean_size >= self.tokens
+            if full or float(d[j]) <= c.threshold(self.base_k):
                 c.add(token, key, float(d[j]))
                 cents[cid] = c.centroid
                 std = math.sqrt(c.dist_m2 / c.count) if c.count > 1 else 0.0
