@@ -14,13 +14,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import python_source_corpus  # noqa: E402
+from common import python_source_corpus, yarn_overrides  # noqa: E402
 
 
-def capture(model_path: str, tokens: int, offset: int = 0, return_qkv: bool = False):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def capture(model_path: str, tokens: int, offset: int = 0, return_qkv: bool = False, yarn: float = 0):
+    """``yarn``: the model's RoPE stretched by that YaRN factor, as vLLM serves it
+    with ``yarn_overrides``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    config = AutoConfig.from_pretrained(model_path)
+    for name, value in (yarn_overrides(model_path, yarn) if yarn else {}).items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.bfloat16).eval()
     ids = tok(python_source_corpus(tokens * 8 + offset * 8))["input_ids"][offset:offset + tokens]
     assert len(ids) == tokens, (len(ids), tokens)
     with torch.no_grad():

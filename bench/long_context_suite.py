@@ -43,7 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, RESULTS, STARTED_AT, engine_in_subprocess, engine_or_main, machine,  # noqa: E402
-                    plot_agreement, python_source_corpus, report, retrieval_counters, save, save_figure, scratch)
+                    plot_agreement, python_source_corpus, report, retrieval_counters, save, save_figure, scratch,
+                    yarn_overrides)
 from long_context_tasks import TASKS, suite  # noqa: E402
 
 MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
@@ -82,17 +83,6 @@ def engine_main(args: dict) -> None:
     report({"answers": answers, "cases_s": cases_s, "held_out_s": held_out_s, "top1": top1, "metrics": before,
             "held_out_metrics": {k: after.get(k, 0) - before.get(k, 0) for k in after}})
     llm.llm_engine.engine_core.shutdown()
-
-
-def yarn_overrides(model: str, factor: float) -> dict:
-    """vLLM's ``hf_overrides`` that stretch ``model``'s RoPE by YaRN ``factor``
-    (vLLM 0.32 with transformers 5 reads ``rope_parameters``)."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    native = config["max_position_embeddings"]
-    theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
-                                "original_max_position_embeddings": native},
-            "max_position_embeddings": int(native * factor)}
 
 
 def history_share(m: dict) -> float | None:
