@@ -143,6 +143,22 @@ def tpot_growth(d: dict) -> Figure:
                   f"64K {listed(a)}; 4K {listed(b)}; full 64K {listed(f)}", len(a))
 
 
+def held_out_at_length(d: dict) -> Figure:
+    """Teacher-forced top-1 agreement with full attention on a long held-out text,
+    the history each method read, and its prefill's time against full attention's."""
+    full = d["results"]["full attention"]["held_out_wall_s_runs"]
+    parts, runs, n = [], [], 99
+    for label, r in d["results"].items():
+        if r["method"]:
+            times = r["held_out_wall_s_runs"]
+            parts.append(f"{r['method']} **{100 * r['held_out_top1_agreement']:.1f} %** reading "
+                         f"{100 * r['held_out_history_share']:.1f} %, prefill "
+                         f"{statistics.median(times) / statistics.median(full):.2f}x full's")
+            runs.append(f"{r['method']} {listed(times, '{:.0f}')} s")
+            n = min(n, r["runs"])
+    return Figure("; ".join(parts), "; ".join(runs) + f"; full {listed(full, '{:.0f}')} s", n)
+
+
 def failover(d: dict) -> Figure:
     return Figure(f"{d['failed']} of {d['requests']} requests failed, {d['wrong_tokens']} of "
                   f"{d['checked_tokens']} answer tokens differ from an idle engine's", "1 run", 1)
@@ -166,6 +182,8 @@ HEADLINES = [
     Headline("failover: a Redis Cluster master killed under the fleet's load", "fleet_failover", failover),
     Headline("long sessions, 4K and 8K: RULER-style suite, 5 tasks x 16 cases, resv at defaults",
              "long_context_suite_smollm2-135m_bf16_16cases_resv", lambda d: suite_score(d, "resv share=0.125")),
+    Headline("long sessions at 32K (SmolLM2 stretched by YaRN x4): top-1 agreement with full attention over "
+             "32 000 held-out tokens, defaults", "long_context_held_out_32k_yarn4_smollm2-135m", held_out_at_length),
     Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth),
 ]
 

@@ -26,12 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvreel.codec.quant import QUANTS
-from kvreel.connector.serve import API_SERVER
-
-# vLLM's KVTransferConfig fields that attach kvreel to an engine
-CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-             "kv_role": "kv_both"}
-CONNECTOR_JSON = json.dumps(CONNECTOR)
+from kvreel.connector.serve import API_SERVER, CONNECTOR, CONNECTOR_JSON  # noqa: F401  (the CLI's names)
 
 
 def free_port() -> int:

@@ -8,6 +8,10 @@ import os
 import sys
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
+# vLLM's KVTransferConfig fields that attach kvreel to an engine
+CONNECTOR = {"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
+             "kv_role": "kv_both"}
+CONNECTOR_JSON = json.dumps(CONNECTOR)
 USAGE = f"""usage: kvreel serve [MODEL] [vLLM's server options]
 
 vLLM's OpenAI server with kvreel's connector, started only once kvreel's
@@ -31,8 +35,8 @@ as given: python -m {API_SERVER} --help lists them.
 def server_command(argv: list[str]) -> list[str]:
     """The API server's command line for ``kvreel serve ARGV``; ValueError
     (one line) for a command line kvreel must not start."""
-    from kvreel.connector.cli import CONNECTOR_JSON
-    from kvreel.connector.retrieval.plugin import CONNECTOR, settings_problem, transfer_config
+    from kvreel.connector.retrieval.plugin import CONNECTOR as CONNECTOR_NAME
+    from kvreel.connector.retrieval.plugin import settings_problem, transfer_config
     args = list(argv)
     if args and not args[0].startswith("-"):        # vllm serve's positional model
         args[:1] = ["--model", args[0]]
@@ -45,9 +49,9 @@ def server_command(argv: list[str]) -> list[str]:
     if transfer is None:
         args += ["--kv-transfer-config", CONNECTOR_JSON]
         transfer = json.loads(CONNECTOR_JSON)
-    elif transfer.get("kv_connector") != CONNECTOR:
+    elif transfer.get("kv_connector") != CONNECTOR_NAME:
         raise ValueError(f"kvreel serve: --kv-transfer-config names {transfer.get('kv_connector')!r}, "
-                         f"not {CONNECTOR!r}")
+                         f"not {CONNECTOR_NAME!r}")
     problem = settings_problem(transfer)
     if problem:
         raise ValueError(f"kvreel: {problem}")
