@@ -75,7 +75,8 @@ def status(commit: str, paths: tuple[str, ...]) -> str:
         return "current"
     if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
         return "unbacked: commit not in this history"
-    changed = [p for p in paths if git("diff", "--quiet", commit, "--", p) is None]
+    excluded = [p for p in paths if p.startswith(":(exclude)")]       # git's pathspec: a file left out
+    changed = [p for p in paths if p not in excluded and git("diff", "--quiet", commit, "--", p, *excluded) is None]
     return f"stale: {', '.join(changed)} changed since" if changed else "current"
 
 

@@ -30,6 +30,7 @@ def test_a_figure_is_stale_once_its_paths_change_and_unbacked_without_a_commit()
     assert report.status(head, ("pyproject.toml",)) == "current"
     assert report.status(first, ("connector", "pyproject.toml")) == "stale: connector, pyproject.toml changed since"
     assert report.status(first, ()) == "current"                          # plain vLLM measures no package path
+    assert report.status(first, ("connector", ":(exclude)connector")) == "current"      # a path left out
     assert report.status(head + "+changes", ("connector",)) == "unbacked: measured with uncommitted changes"
     assert report.status("0" * 40, ("connector",)) == "unbacked: commit not in this history"
 
