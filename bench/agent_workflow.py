@@ -39,7 +39,7 @@ from shaper import Shaper  # noqa: E402
 
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 
 POLICIES = {"lru": {"KVREEL_EVICTION": "lru"},
             "workflow": {"KVREEL_EVICTION": "workflow", "KVREEL_PREFETCH_DEPTH": "0"},

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import save  # noqa: E402
 
-MEASURES = ("codec",)  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("codec",)  # the package paths its figures measure (bench/report.py)
 
 
 def entropy_bits(a: np.ndarray) -> float:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from codec_compression import entropy_bits, video_bytes  # noqa: E402
 from common import save  # noqa: E402
 
-MEASURES = ("codec",)  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("codec",)  # the package paths its figures measure (bench/report.py)
 
 
 def rope_tables(T: int, D: int, theta: float):

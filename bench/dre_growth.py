@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 from kv_capture import capture  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
 
 BLOCK, READ = 128, 60
 

@@ -40,7 +40,7 @@ from peers import (add_dtype_arg, add_workload_args, bench_serve, build_workload
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 
 CONFIGS = {"plain+round_robin": (False, "round_robin"), "plain+cache_aware": (False, "cache_aware"),
            "plain+kv_aware": (False, "kv_aware"), "kvreel+round_robin": (True, "round_robin"),

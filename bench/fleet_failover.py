@@ -34,7 +34,7 @@ from soak import greedy_gaps  # noqa: E402
 
 from kvreel.connector.cli import stop_server  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 
 
 def complete(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:

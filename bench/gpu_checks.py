@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import commit, machine, save_figure  # noqa: E402
 
-MEASURES = ("codec", "connector")  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("codec", "connector")  # the package paths its figures measure (bench/report.py)
 
 
 def nvdec_checks(data_dir: Path) -> dict:

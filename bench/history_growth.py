@@ -33,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
 
 MODES = {"every layer at once": False, "one layer a step": True}
 

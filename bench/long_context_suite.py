@@ -87,6 +87,11 @@ def engine_main(args: dict) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def by_label(counters: dict, name: str) -> dict[str, float]:
+    """The counters of ``name`` (``retrieval_counters``' ``name|label`` keys), by label."""
+    return {k.split("|")[1]: v for k, v in counters.items() if name in k}
+
+
 def history_share(m: dict) -> float | None:
     kept = m.get("vllm:kvreel_retrieval_kept_blocks_total", 0)
     history = m.get("vllm:kvreel_retrieval_history_blocks_total", 0)
@@ -192,15 +197,13 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
     return {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
             "cases": len(cases), "per_case": right, "answers": got["answers"],
             "history_share": history_share(got["metrics"]),
-            "steps": {k.split("|")[1]: v for k, v in got["metrics"].items() if "retrieval_steps" in k},
-            "dre_tables": {k.split("|")[1]: v for k, v in got["metrics"].items() if "dre_tables" in k},
-            "scored_tokens": {k.split("|")[1]: v for k, v in got["metrics"].items() if "scored_tokens" in k},
+            "steps": by_label(got["metrics"], "retrieval_steps"),
+            "dre_tables": by_label(got["metrics"], "dre_tables"),
+            "scored_tokens": by_label(got["metrics"], "scored_tokens"),
             "held_out_top1_agreement": agree,
             "held_out_history_share": history_share(got["held_out_metrics"]),
-            "held_out_scored_tokens": {k.split("|")[1]: v for k, v in got["held_out_metrics"].items()
-                                       if "scored_tokens" in k},
-            "held_out_dre_tables": {k.split("|")[1]: v for k, v in got["held_out_metrics"].items()
-                                    if "dre_tables" in k},
+            "held_out_scored_tokens": by_label(got["held_out_metrics"], "scored_tokens"),
+            "held_out_dre_tables": by_label(got["held_out_metrics"], "dre_tables"),
             "top1": got["top1"] if method is None else None}
 
 

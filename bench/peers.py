@@ -65,7 +65,7 @@ from common import (free_port, python_source_corpus, save, save_figure, scratch,
 from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
-MEASURES = ("connector", "scheduler")  # what its figures measure: bench/report.py marks them stale after a change
+MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
 
 CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host", "lmcache-disk", "kvreel-disk",
            "lmcache+kvreel", "kvreel-redis", "kvreel-host-step", "kvreel-ceiling-step")

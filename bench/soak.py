@@ -47,16 +47,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvreel.connector.cli import stop_server
+from kvreel.connector.cli import CONNECTOR_JSON, stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (free_port, load_results, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
                     save, save_figure, scratch, start_openai_server, start_redis)
 
-MEASURES = ("connector", "scheduler", "codec")  # what its figures measure (bench/report.py: stale after a change)
+MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 
-CONNECTOR = json.dumps({"kv_connector": "KVReelConnector", "kv_connector_module_path": "kvreel.connector",
-                        "kv_role": "kv_both"})
 
 
 def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int = 0,
@@ -67,7 +65,7 @@ def start_server(model: str, env: dict, kvreel: bool, log: Path, kv_blocks: int 
     if kv_blocks:       # a small paged cache: vLLM evicts prefixes, so reuse has to come from kvreel
         args += ["--num-gpu-blocks-override", str(kv_blocks)]
     if kvreel:
-        args += ["--kv-transfer-config", CONNECTOR]
+        args += ["--kv-transfer-config", CONNECTOR_JSON]
     return start_openai_server(model, args, {"VLLM_SERVER_DEV_MODE": "1", **env}, log)
 
 

@@ -35,7 +35,6 @@ as given: python -m {API_SERVER} --help lists them.
 def server_command(argv: list[str]) -> list[str]:
     """The API server's command line for ``kvreel serve ARGV``; ValueError
     (one line) for a command line kvreel must not start."""
-    from kvreel.connector.retrieval.plugin import CONNECTOR as CONNECTOR_NAME
     from kvreel.connector.retrieval.plugin import settings_problem, transfer_config
     args = list(argv)
     if args and not args[0].startswith("-"):        # vllm serve's positional model
@@ -48,10 +47,10 @@ def server_command(argv: list[str]) -> list[str]:
         raise ValueError(f"kvreel serve: {e}") from None
     if transfer is None:
         args += ["--kv-transfer-config", CONNECTOR_JSON]
-        transfer = json.loads(CONNECTOR_JSON)
-    elif transfer.get("kv_connector") != CONNECTOR_NAME:
+        transfer = dict(CONNECTOR)
+    elif transfer.get("kv_connector") != CONNECTOR["kv_connector"]:
         raise ValueError(f"kvreel serve: --kv-transfer-config names {transfer.get('kv_connector')!r}, "
-                         f"not {CONNECTOR_NAME!r}")
+                         f"not {CONNECTOR['kv_connector']!r}")
     problem = settings_problem(transfer)
     if problem:
         raise ValueError(f"kvreel: {problem}")

@@ -19,7 +19,7 @@ def test_committed_tables_are_the_generators_output(path):
 
 def test_every_headline_names_a_committed_json_and_its_runs():
     for h in report.HEADLINES:
-        d = report.load(h.name)
+        d = report.load_results(h.name)
         figure = h.take(d)
         assert figure.n_runs >= 1 and figure.runs and d["commit"], h.name
 
