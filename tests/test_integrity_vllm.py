@@ -104,8 +104,11 @@ def test_a_disk_that_fills_turns_the_tier_off_and_back_on_when_freed(tiny_model,
 
 
 def test_unwritable_disk_dir_disables_the_tier(tiny_model, tmp_path):
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("x")
+    # A path that parses (so startup goes on) but cannot be created: its parent is a file.
+    # (A path naming a file itself is refused at load: tests/test_config.py.)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    not_a_dir = blocker / "kv"
     base = run_scenario({"model": tiny_model, "phases": [{"prompts": [P]}, {"prompts": [P]}]})
     reel = run_scenario({"model": tiny_model, "kvreel": {"cpu_bytes": "64MiB", "disk_dir": str(not_a_dir)},
                          "phases": [{"prompts": [P]}, {"before": "reset_prefix_cache", "prompts": [P]}]})
