@@ -288,13 +288,20 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
 def machine() -> dict:
     """Where a figure was measured. The CPU's vector ISA is part of it: on an
     AVX2-only CPU torch's bf16 matrix products run ~45x slower than float32's
-    (``bf16_products``: whether this one has them in hardware)."""
+    (``bf16_products``: whether this one has them in hardware), and vLLM's CPU
+    attention kernel for bf16 (``attention_isa``: ``amx`` on CPUs with AMX tiles,
+    else ``vec``...) rounds differently and runs at another speed."""
     import torch
 
     from kvreel.connector.retrieval.history import scoring_dtype
+    try:
+        from kvreel.connector.vllm_internals import cpu_attn_isa
+        attention_isa = cpu_attn_isa(torch.bfloat16, 128, 64)
+    except ImportError:                                  # no vLLM here (the GPU machine)
+        attention_isa = None
     info = {"platform": platform.platform(), "cpu_model": cpu_model(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
-            "bf16_products": scoring_dtype(torch.bfloat16) == torch.bfloat16,
+            "bf16_products": scoring_dtype(torch.bfloat16) == torch.bfloat16, "attention_isa": attention_isa,
             "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "vllm_engine_env": {k: v for k, v in engine_env().items() if k.startswith("VLLM_CPU_")}}

@@ -19,8 +19,8 @@ setting records whether its answers matched its first run's. Results are
 written after every engine; a run of the same commit and settings that was
 interrupted goes on where it stopped, and full attention (plain vLLM, no
 kvreel code) is kept from a run of any commit with the same settings, inputs,
-vLLM version and CPU (its vector ISA), its own commit and machine recorded
-beside it. Each run hands its engines its cases from a folder of its own, so
+vLLM version and CPU (its vector ISA and vLLM's attention kernel), its own
+commit and machine recorded beside it. Each run hands its engines its cases from a folder of its own, so
 two suites (other names) can run side by side, each on a core of its own
 (``VLLM_CPU_OMP_THREADS_BIND=0`` and ``=1``), where only answers are wanted.
 
@@ -212,7 +212,8 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
     """What an earlier run already measured: every configuration where that run was
     interrupted on this commit, else full attention alone (plain vLLM runs no
     kvreel code) where the settings, inputs, vLLM version and CPU are the same
-    (vLLM's CPU kernels differ by vector ISA, which can move near ties)."""
+    (vLLM's CPU kernels differ by vector ISA and attention kernel, which can
+    move near ties)."""
     path = RESULTS / f"{name}.json"
     if not path.exists() or "+changes" in STARTED_AT:
         return {}
@@ -225,7 +226,8 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
     results = {label: {"commit": old["commit"], "machine": old["machine"], **r}
                for label, r in old["results"].items()}
     kept = results if old["commit"] == STARTED_AT else {"full attention": results["full attention"]}
-    if any(r["machine"].get(k) != here.get(k) for r in kept.values() for k in ("cpu_isa", "bf16_products")):
+    if any(r["machine"].get(k) != here.get(k) for r in kept.values()
+           for k in ("cpu_isa", "bf16_products", "attention_isa")):
         return {}
     return kept
 

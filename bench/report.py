@@ -224,18 +224,24 @@ def rendered(text: str, tables: dict[str, Callable[[], str]]) -> str:
     return text
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if a committed table differs from the results")
-    a = ap.parse_args()
+def write_tables(check: bool = False) -> list[Path]:
+    """The files whose tables differ from the results; rewritten unless ``check``."""
     differ = []
     for path, tables in TABLES.items():
         old = path.read_text()
         new = rendered(old, tables)
         if new != old:
             differ.append(path.relative_to(ROOT))
-            if not a.check:
+            if not check:
                 path.write_text(new)
+    return differ
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a committed table differs from the results")
+    a = ap.parse_args()
+    differ = write_tables(a.check)
     if a.check and differ:
         print(f"out of date: {', '.join(map(str, differ))} (python bench/report.py rewrites them)", file=sys.stderr)
         sys.exit(1)

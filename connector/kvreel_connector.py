@@ -32,7 +32,7 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata
 from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
 from kvreel.connector.tiers import Tier
-from kvreel.connector.vllm_internals import check_version, kv_transfer_config
+from kvreel.connector.vllm_internals import check_version, cpu_attn_isa, kv_transfer_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -184,8 +184,11 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
             history_bytes = None
             if self.cfg.retrieval != "off":           # one full-attention group (check_kv_cache_groups)
                 from kvreel.connector.retrieval.history import history_bytes_per_block
+                from kvreel.connector.retrieval.page_packing import PagePacking
                 spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-                history_bytes = history_bytes_per_block(regions * block_bytes, block_size, spec.head_size, spec.dtype)
+                packing = PagePacking(block_size, spec.head_size, spec.dtype,
+                                      cpu_attn_isa(spec.dtype, block_size, spec.head_size))
+                history_bytes = history_bytes_per_block(regions * block_bytes, packing)
             self._scheduler = KVReelScheduler(self.cfg, self.identity, block_size, regions * block_bytes,
                                               workers=vllm_config.parallel_config.world_size,
                                               groups=len(kv_cache_config.kv_cache_groups),

@@ -46,3 +46,12 @@ def test_every_benchmark_that_saves_results_declares_what_it_measures():
             names = {t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
             assert "MEASURES" in names, script.name
     assert savers >= 15
+
+
+def test_every_headline_can_be_measured_again_by_one_command():
+    import remeasure
+    for h in report.HEADLINES:
+        script, *args = remeasure.COMMANDS[h.name]
+        assert (report.ROOT / "bench" / script).exists(), h.name
+        assert report.script_of(h.name, report.load_results(h.name)).name == script, h.name
+        assert h.name == args[args.index("--name") + 1] if "--name" in args else h.name == Path(script).stem

@@ -69,12 +69,40 @@ def test_history_holds_every_token_in_order_and_hands_the_keys_after_the_sink_to
         lh.append(pages[:1], 3)
 
 
+@pytest.mark.parametrize("values_in_rows", [True, False], ids=["values-from-pages", "values-apart"])
+def test_a_histories_tokens_come_back_byte_exactly_whatever_the_packing_keeps_in_rows(values_in_rows):
+    """Where vLLM's packing interleaves a token's values (AMX), the history keeps them
+    in token order too, and charges the host budget for them; on any CPU kind
+    both ways read back the bytes vLLM packed."""
+    from kvreel.connector.retrieval.history import LayerHistory, history_bytes_per_block
+    pp = packing()
+    pp.values_in_rows = values_in_rows and pp.values_in_rows
+    lh = LayerHistory(H, BS, D, torch.bfloat16, pp)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(6 * BS, H, D, generator=g).bfloat16()
+    v = torch.randn(6 * BS, H, D, generator=g).bfloat16()
+    pages = pages_of(k, v)
+    lh.append(pages[:2], 0)
+    lh.append(pages[2:], 2)                               # its room grows: what it held is kept
+    assert (lh.values is None) == pp.values_in_rows
+    tokens = torch.stack([torch.randperm(6 * BS, generator=g)[:70] for _ in range(H)])
+    got_k, got_v = lh.token_rows(tokens)
+    for h in range(H):
+        assert torch.equal(got_k[:, h].view(torch.int16), k[tokens[h], h].view(torch.int16))
+        assert torch.equal(got_v[:, h].view(torch.int16), v[tokens[h], h].view(torch.int16))
+    in_rows, apart = packing(), packing()
+    in_rows.values_in_rows, apart.values_in_rows = True, False
+    page_bytes = pages[0].numel() * pages.element_size()
+    assert history_bytes_per_block(page_bytes, apart) - history_bytes_per_block(page_bytes, in_rows) == \
+        H * BS * D * 2                                    # a bf16 value per token, head and channel
+
+
 def test_the_host_budget_is_charged_what_a_history_block_holds():
     from kvreel.connector.retrieval.history import history_bytes_per_block, scoring_dtype
     lh, k, v = history(blocks=16)
     pages = pages_of(k, v)
     lh.append(pages, 0)                                   # 16 blocks at once: nothing reserved beyond them
-    per_block = history_bytes_per_block(pages[0].numel() * pages.element_size(), BS, D, torch.bfloat16)
+    per_block = history_bytes_per_block(pages[0].numel() * pages.element_size(), lh.packing)
     assert lh.reserved_bytes == 16 * per_block - H * BS * 8         # the sink block's tokens carry no label
     if scoring_dtype(torch.bfloat16) == torch.float32:   # keys held in float32: twice what the pages take
         assert per_block > 2 * pages[0].numel() * pages.element_size()
@@ -172,6 +200,7 @@ def test_clusters_follow_the_labels_and_rank_the_candidates():
             members = keys[h][labels[h] == c]
             assert int(lh.counts[h, c]) == len(members)
             assert torch.allclose(lh.sums[h, c], members.sum(0), atol=1e-3)
+    lh.candidates(torch.randn(H, 2, D, generator=g), BS)        # ranks by the clusters as they were
     relabelled = (labels + 1) % 5                                # a split: every label anew, one more cluster
     lh.set_labels(BS, relabelled)
     assert torch.allclose(lh.sums[0, 4], keys[0][relabelled[0] == 4].sum(0), atol=1e-3)

@@ -9,8 +9,12 @@ held in float32, converted once rather than by every step that scores them
 (a sixth of a decode step's choice at 16 K tokens). A step reads only what
 it attends to: a decoding step's whole blocks are page copies
 (``WorkingSet.hold_blocks``); a prefill group's chosen tokens are written
-into working-set pages in vLLM's packing (``write_history_pages``, their
-values read from the pages).
+into working-set pages in vLLM's packing (``write_history_pages``). Their
+values are read from the pages where vLLM's packing keeps a token's values in
+one row (a row copy); where it interleaves them (the AMX kernel's pairs of
+tokens), every value in token order too, unpacked once as they arrive: an
+element gather through the packing took 40 % of a 32 K-token prefill chunk's
+retrieval work.
 
 The DRE labels every token after the sink block with its cluster (ReSV's hash
 bits or Mosaic's semantic clusters); the history keeps each cluster's key sum
@@ -50,14 +54,18 @@ def scoring_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     return dtype
 
 
-def history_bytes_per_block(page_bytes: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+def history_bytes_per_block(page_bytes: int, packing: PagePacking) -> int:
     """Host memory a history block takes, for ``page_bytes`` of its cache pages (all
-    layers): the pages as vLLM packed them, and per head every token's key in the
-    dtype it is scored in, the block's channel-wise key bounds (float32) and its
-    tokens' cluster labels (int64). Keys held in float32 beside 16-bit pages
-    double what the pages alone take."""
-    page = 2 * block_size * head_dim * dtype.itemsize                 # one head's share of a page
-    extra = block_size * head_dim * scoring_dtype(dtype).itemsize + 2 * head_dim * 4 + block_size * 8
+    layers, packed as ``packing`` packs them): the pages, and per head every token's
+    key in the dtype it is scored in, the block's channel-wise key bounds (float32)
+    and its tokens' cluster labels (int64); where the packing does not keep a
+    token's values in a row, every token's values too. Keys held in float32 beside
+    16-bit pages double what the pages alone take."""
+    bs, D, dtype = packing.block_size, packing.head_dim, packing.dtype
+    page = 2 * bs * D * dtype.itemsize                                # one head's share of a page
+    extra = bs * D * scoring_dtype(dtype).itemsize + 2 * D * 4 + bs * 8
+    if not packing.values_in_rows:
+        extra += bs * D * dtype.itemsize
     return page_bytes * (page + extra) // page
 
 
@@ -158,6 +166,8 @@ class LayerHistory:
         self.heads, self.block_size, self.head_dim, self.dtype = heads, block_size, head_dim, dtype
         self.packing = packing
         self.keys = torch.empty(heads, 0, head_dim, dtype=scoring_dtype(dtype))   # [H, capacity, D], token order
+        # [H, capacity, D] in token order where the pages do not keep a token's values in a row, else None
+        self.values = None if packing.values_in_rows else torch.empty(heads, 0, head_dim, dtype=dtype)
         self.pages = torch.empty(0, heads, 2 * block_size, head_dim, dtype=dtype)    # [capacity blocks, ...]
         self.num_tokens = 0                                           # sink block included
         self._labels = torch.empty(heads, 0, dtype=torch.int64)       # room for ``labels``
@@ -166,6 +176,7 @@ class LayerHistory:
         self.key_max = torch.zeros(heads, 0, head_dim)                # and channel-wise key bounds
         self.key_min = torch.zeros(heads, 0, head_dim)
         self._index: ClusterIndex | None = None
+        self._tables: tuple[torch.Tensor, ...] | None = None          # the clusters' ranking tables (``candidates``)
         self._labelled_since = 0                                      # tokens labelled since it was built
         # per block: channel-wise key max, then min (float32), channel-major [H, 2 D, capacity]: ranking
         # the blocks (``best_blocks``) is then a product with contiguous rows; blocks-major bounds read
@@ -182,13 +193,14 @@ class LayerHistory:
 
     @property
     def nbytes(self) -> int:
-        return self.heads * self.num_tokens * self.head_dim * (self.keys.element_size() + 2 * self.pages.element_size())
+        per_token = self.keys.element_size() + (2 if self.values is None else 3) * self.pages.element_size()
+        return self.heads * self.num_tokens * self.head_dim * per_token
 
     @property
     def reserved_bytes(self) -> int:
         """Bytes of every tensor it keeps, with the room reserved to grow into."""
-        return sum(t.nbytes for t in (self.keys, self.pages, self.bounds, self._labels, self.sums, self.counts,
-                                      self.key_max, self.key_min))
+        return sum(t.nbytes for t in (self.keys, self.values, self.pages, self.bounds, self._labels, self.sums,
+                                      self.counts, self.key_max, self.key_min) if t is not None)
 
     def append(self, pages: torch.Tensor, first_block: int, room: int = 0, most: int = 0,
                ahead: float = 0.0) -> torch.Tensor:
@@ -205,6 +217,8 @@ class LayerHistory:
         early = int(ahead * cap / 8) // self.block_size * self.block_size if most > cap else 0
         self._reserve(max(self.num_tokens + n + early, room), most)
         self.keys[:, self.num_tokens:self.num_tokens + n] = k.transpose(0, 1)
+        if self.values is not None:
+            self.values[:, self.num_tokens:self.num_tokens + n] = self.packing.unpack_part(pages, 1).transpose(0, 1)
         blocks = k.view(n // self.block_size, self.block_size, self.heads, self.head_dim).float()
         first, last = self.num_tokens // self.block_size, (self.num_tokens + n) // self.block_size
         self.pages[first:last] = pages
@@ -228,12 +242,26 @@ class LayerHistory:
         new_cap = max(tokens, -(-(cap + cap // 4) // bs) * bs, 16 * bs)
         if most:
             new_cap = max(tokens, min(new_cap, most))
-        freed_memory.freed(sum(t.nbytes for t in (self.keys, self.bounds, self.pages, self._labels)))
+        freed_memory.freed(sum(t.nbytes for t in (self.keys, self.values, self.bounds, self.pages, self._labels)
+                               if t is not None))
         blocks, used_blocks = new_cap // self.block_size, self.num_tokens // self.block_size
         self._labels = grown(self._labels, 1, new_cap - bs, self.labels.shape[1])
         self.keys = grown(self.keys, 1, new_cap, self.num_tokens)
+        if self.values is not None:
+            self.values = grown(self.values, 1, new_cap, self.num_tokens)
         self.bounds = grown(self.bounds, 2, blocks, used_blocks)
         self.pages = grown(self.pages, 0, blocks, used_blocks)
+
+    def token_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[n, H, D]`` of tokens ``[H, n]`` (per head), as vLLM's
+        packing op takes them: row copies out of the keys (and values) in token order,
+        or the values through the pages' packing (``PagePacking.values_at``)."""
+        H, n = tokens.shape
+        rows = (tokens + torch.arange(H).unsqueeze(1) * self.keys.shape[1]).T.flatten()     # [n, H] order
+        k = self.keys.view(-1, self.head_dim).index_select(0, rows).view(n, H, -1).to(self.dtype)
+        if self.values is None:
+            return k, self.packing.values_at(self.pages, tokens)
+        return k, self.values.view(-1, self.head_dim).index_select(0, rows).view(n, H, -1)
 
     def dre_keys(self) -> torch.Tensor:
         """Every key after the sink block ``[H, T - bs, D]`` (float32): to cluster anew."""
@@ -249,6 +277,7 @@ class LayerHistory:
         if relabel:
             self._index = None                        # clusters' members moved: regroup
         self._labelled_since += end - start
+        self._tables = None
         clusters = int(labels.max()) + 1 if labels.numel() else 0
         if clusters > self.sums.shape[1]:
             grow = (self.heads, clusters - self.sums.shape[1], self.head_dim)
@@ -289,14 +318,10 @@ class LayerHistory:
         Tokens the cluster index does not group yet (unlabelled, or labelled since
         it was built) are always candidates (more than ``count`` of them: all of them)."""
         q = queries.float() * self.head_dim ** -0.5
-        live = (self.counts > 0).unsqueeze(1)
-        sizes = self.counts.clamp_min(1)
-        means = self.sums / sizes.unsqueeze(-1)
-        scores = torch.bmm(q, means.transpose(1, 2)) + sizes.log().unsqueeze(1)
-        per_token = torch.softmax(scores.masked_fill(~live, -math.inf), dim=-1).amax(1) / sizes      # [H, C]
+        means, bounds, size_bias, dead_bias, sizes = self._ranking_tables()
+        per_token = torch.softmax(torch.baddbmm(size_bias, q, means), dim=-1).amax(1) / sizes      # [H, C]
         signed = torch.cat([q.clamp_min(0), q.clamp_max(0)], -1)                                   # [H, R, 2 D]
-        bound = torch.bmm(signed, torch.cat([self.key_max, self.key_min], -1).nan_to_num_(0, 0, 0).transpose(1, 2))
-        best = torch.softmax(bound.masked_fill(~live, -math.inf), dim=-1).amax(1)                 # [H, C]
+        best = torch.softmax(torch.baddbmm(dead_bias, signed, bounds), dim=-1).amax(1)            # [H, C]
         n = self.num_tokens - self.block_size
         index = self._cluster_index(count)
         always = index.unlabelled + (n - index.built)
@@ -312,6 +337,21 @@ class LayerHistory:
             if count > a:
                 out[h, a:] = index.best(h, ranked[h], count - a)
         return out + self.block_size
+
+    def _ranking_tables(self) -> tuple[torch.Tensor, ...]:
+        """What ``candidates`` ranks the clusters by, kept until the labels move:
+        centroids ``[H, D, C]``, channel-wise bounds ``[H, 2 D, C]`` (max then min;
+        0 for a cluster without members), the centroid score's bias ``log size``
+        and the bound's ``0`` (``-inf`` for a cluster without members) ``[H, 1, C]``,
+        and the sizes ``[H, C]`` (at least 1)."""
+        if self._tables is None:
+            live = self.counts > 0
+            sizes = self.counts.clamp_min(1)
+            dead = torch.zeros_like(sizes).masked_fill_(~live, -math.inf).unsqueeze(1)
+            self._tables = ((self.sums / sizes.unsqueeze(-1)).transpose(1, 2).contiguous(),
+                            torch.cat([self.key_max, self.key_min], -1).nan_to_num_(0, 0, 0).transpose(1, 2)
+                            .contiguous(), sizes.log().unsqueeze(1) + dead, dead, sizes)
+        return self._tables
 
     def best_blocks(self, queries: torch.Tensor, count: int) -> torch.Tensor:
         """Per head, the ``count`` blocks after the sink block ``[H, count]`` that the

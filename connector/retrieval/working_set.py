@@ -83,7 +83,5 @@ def write_history_pages(pages: torch.Tensor, lh: LayerHistory, tokens: torch.Ten
     """History tokens ``tokens`` ``[H, N]`` (per head; N a whole number of pages)
     into the first ``N / bs`` of ``pages``, position by position, with vLLM's own
     packing op (a whole page run: no per-token scatter)."""
-    H, n = tokens.shape
-    rows = (tokens + torch.arange(H).unsqueeze(1) * lh.keys.shape[1]).T.flatten()     # [n, H] order
-    k = lh.keys.view(-1, lh.head_dim).index_select(0, rows).view(n, H, -1).to(lh.dtype)
-    lh.packing.pack(k, lh.packing.values_at(lh.pages, tokens), pages, torch.arange(n))
+    k, v = lh.token_rows(tokens)
+    lh.packing.pack(k, v, pages, torch.arange(tokens.shape[1]))

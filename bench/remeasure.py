@@ -1,0 +1,105 @@
+"""Re-measure README's headline figures on the current code, with one command.
+
+Every results file behind a headline (``report.HEADLINES``) whose figures are
+not current (``report.status``: its package paths changed since it was made,
+or it is unbacked) or that holds fewer runs than asked is measured again by
+the benchmark command that made it, at that benchmark's own settings; each
+benchmark runs its configurations round-robin over its runs. Resumable: run it
+again after an interruption and it goes on with what is still not current (the
+long-context suite also resumes inside a file). ``report.py`` is rerun at the
+end, so the tables show what was measured.
+
+    python bench/remeasure.py --tinycode ../shared/models/tinycode-16m-4k --smollm2 models/smollm2-135m
+    python bench/remeasure.py ... --dry-run        # what it would run, and why
+
+Each benchmark prints its time when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402
+from common import RESULTS, load_results  # noqa: E402
+
+BENCH = Path(__file__).parent
+
+# the command behind each headline JSON ({tinycode}, {smollm2}: the model paths given)
+COMMANDS: dict[str, list[str]] = {
+    "peers": ["peers.py", "--model", "{tinycode}", "--dtype", "float32"],
+    "no_reuse": ["peers.py", "--model", "{tinycode}", "--workloads", "no_reuse",
+                 "--configs", "vllm,kvreel-host,kvreel-host-step", "--name", "no_reuse"],
+    "fleet_warm": ["fleet.py", "--model", "{tinycode}", "--dtype", "float32", "--warm", "--detailed",
+                   "--workloads", "prefix_repetition", "--configs", "plain+cache_aware,kvreel+kv_aware",
+                   "--name", "fleet_warm"],
+    "fleet_failover": ["fleet_failover.py", "--model", "{tinycode}", "--dtype", "float32"],
+    "long_context_suite_smollm2-135m_bf16_16cases_resv": [
+        "long_context_suite.py", "--model", "{smollm2}", "--configs", "resv:0.125",
+        "--name", "long_context_suite_smollm2-135m_bf16_16cases_resv"],
+    "long_context_held_out_32k_yarn4_smollm2-135m": [
+        "long_context_suite.py", "--model", "{smollm2}", "--lengths", "32000", "--cases", "0",
+        "--configs", "resv:0.125,mosaic:0.125", "--yarn", "4", "--held-out-tokens", "32000",
+        "--name", "long_context_held_out_32k_yarn4_smollm2-135m"],
+    "long_context_suite_32k_yarn4_smollm2-135m": [
+        "long_context_suite.py", "--model", "{smollm2}", "--tasks", "niah_single", "--lengths", "32000",
+        "--cases", "2", "--configs", "resv:0.125,mosaic:0.125", "--yarn", "4", "--held-out-tokens", "2304",
+        "--name", "long_context_suite_32k_yarn4_smollm2-135m"],
+    "long_session": ["long_session.py", "--model", "{tinycode}"],
+}
+TIMED_RUNS = 3          # a timed figure is a median of at least this many runs
+
+
+def why_stale(name: str) -> str | None:
+    """Why ``name``'s figures need measuring again, or None when they are current."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return "no results file"
+    d = load_results(name)
+    state = report.status(d.get("commit", ""), report.measures(report.script_of(name, d)))
+    if state != "current":
+        return state
+    if d.get("complete") is False:
+        return "an interrupted run"
+    headline = next((h for h in report.HEADLINES if h.name == name), None)
+    if headline and "deterministic" not in (figure := headline.take(d)).runs and figure.n_runs < TIMED_RUNS:
+        return f"{figure.n_runs} run(s), fewer than {TIMED_RUNS}"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tinycode", required=True, help="tinycode-16m-4k's model directory")
+    ap.add_argument("--smollm2", required=True, help="SmolLM2-135M's (bench/smollm2_model.py)")
+    ap.add_argument("--only", default="", help="these results names alone, comma separated")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args()
+    names = list(dict.fromkeys(h.name for h in report.HEADLINES))
+    missing = [n for n in names if n not in COMMANDS]
+    if missing:
+        raise SystemExit(f"remeasure: no command for {', '.join(missing)}")
+    names = [n for n in names if not a.only or n in a.only.split(",")]
+    models = {"tinycode": a.tinycode, "smollm2": a.smollm2}
+    for name in names:
+        reason = why_stale(name)
+        if reason is None:
+            print(f"== {name}: current")
+            continue
+        argv = [sys.executable, str(BENCH / COMMANDS[name][0]), *(s.format(**models) for s in COMMANDS[name][1:])]
+        print(f"== {name}: {reason}\n   {' '.join(argv[1:])}", flush=True)
+        if a.dry_run:
+            continue
+        t0 = time.monotonic()
+        subprocess.run(argv, check=True)
+        print(f"== {name}: measured in {(time.monotonic() - t0) / 60:.0f} min", flush=True)
+    if not a.dry_run:
+        for path in report.write_tables():
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
