@@ -105,6 +105,7 @@ class Headline:
     result: str             # what is compared, in a reader's words
     name: str               # bench/results/NAME.json
     take: Callable[[dict], Figure]
+    timed: bool = True      # a timing (a median of runs), not a count or a deterministic score
 
 
 def _served(d: dict, workload: str, config: str, field: str = "request_throughput") -> list[float]:
@@ -166,11 +167,13 @@ HEADLINES = [
              lambda d: ratio_of(d, "no_reuse", "kvreel-host", "vllm", "ttft_p50_ms", "ms", "{:.0f}")),
     Headline("fleet: 2 engines behind vllm-router, Redis Cluster, warm (kv_aware vs plain cache_aware)",
              "fleet_warm", lambda d: ratio_of(d, "prefix_repetition", "kvreel+kv_aware", "plain+cache_aware")),
-    Headline("failover: a Redis Cluster master killed under the fleet's load", "fleet_failover", failover),
+    Headline("failover: a Redis Cluster master killed under the fleet's load", "fleet_failover", failover, timed=False),
     Headline("long sessions, 4K and 8K: RULER-style suite, 5 tasks x 16 cases, resv at defaults",
-             "long_context_suite_smollm2-135m_bf16_16cases_resv", lambda d: suite_score(d, "resv share=0.125")),
+             "long_context_suite_smollm2-135m_bf16_16cases_resv", lambda d: suite_score(d, "resv share=0.125"),
+             timed=False),
     Headline("long sessions at 32K (SmolLM2 stretched by YaRN x4): top-1 agreement with full attention over "
-             "32 000 held-out tokens, defaults", "long_context_held_out_32k_yarn4_smollm2-135m", held_out_at_length),
+             "32 000 held-out tokens, defaults", "long_context_held_out_32k_yarn4_smollm2-135m", held_out_at_length,
+             timed=False),
     Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth),
 ]
 

@@ -55,3 +55,21 @@ def test_every_headline_can_be_measured_again_by_one_command():
         assert (report.ROOT / "bench" / script).exists(), h.name
         assert report.script_of(h.name, report.load_results(h.name)).name == script, h.name
         assert h.name == args[args.index("--name") + 1] if "--name" in args else h.name == Path(script).stem
+
+
+def test_what_is_current_is_left_alone_and_the_rest_is_measured_again(tmp_path, monkeypatch):
+    import json
+
+    import common
+    import remeasure
+    assert remeasure.why_stale("no_such_results") == "no results file"
+    head = report.git("rev-parse", "HEAD")
+    d = {"commit": head, "script": "long_session.py", "complete": True}
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(remeasure, "RESULTS", tmp_path)
+    (tmp_path / "held_out.json").write_text(json.dumps(d))
+    assert remeasure.why_stale("held_out") is None                  # no headline: current code is enough
+    (tmp_path / "held_out.json").write_text(json.dumps({**d, "complete": False}))
+    assert remeasure.why_stale("held_out") == "an interrupted run"
+    (tmp_path / "held_out.json").write_text(json.dumps({**d, "commit": head + "+changes"}))
+    assert remeasure.why_stale("held_out") == "unbacked: measured with uncommitted changes"
