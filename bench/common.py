@@ -310,10 +310,12 @@ def machine() -> dict:
 
 def machine_words(m: dict | None = None) -> str:
     """A results JSON's machine (this one where none is given) for a plot's
-    title: cores, CPU model where recorded, vector ISA."""
+    title: cores, CPU model where recorded, vector ISA (and AMX, where vLLM's
+    attention kernel used it)."""
     m = m or machine()
     model = m.get("cpu_model", "").replace("(R)", "").replace("(TM)", "").replace(" Processor", "")
-    return f"{m['cpus']}-core {model + ' ' if model else ''}{m.get('cpu_isa', 'x86')} CPU"
+    amx = " (AMX)" if m.get("attention_isa") == "amx" else ""
+    return f"{m['cpus']}-core {model + ' ' if model else ''}{m.get('cpu_isa', 'x86')}{amx} CPU"
 
 
 def cpu_model() -> str:
