@@ -57,6 +57,15 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 2000) for _ in range(n)]
 
 
+def first_error(log: str, lines: int = 60) -> str:
+    """The lines of ``log`` from its first traceback or fatal error on: where an engine
+    process died first (the tail shows only what the others said after)."""
+    text = log.splitlines()
+    at = next((i for i, line in enumerate(text)
+               if "Traceback (most recent call last)" in line or "Fatal Python error" in line), None)
+    return "(none)" if at is None else "\n".join(text[at:at + lines])
+
+
 def run_scenario(args: dict, timeout: int = 600, name: str = "scenario") -> dict:
     """Run tests/vllm_scenarios.py's ``name`` in a fresh interpreter and return its JSON."""
     import tempfile
@@ -70,7 +79,9 @@ def run_scenario(args: dict, timeout: int = 600, name: str = "scenario") -> dict
         proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), name, json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
-            raise AssertionError(f"scenario failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            raise AssertionError(f"scenario failed (rc={proc.returncode}); its first error:\n"
+                                 f"{first_error(proc.stdout + proc.stderr)}\n--- its last output:\n"
+                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
         result = json.loads(out.read_text())
         result["log"] = proc.stdout + proc.stderr
         return result
