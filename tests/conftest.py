@@ -75,6 +75,7 @@ def run_scenario(args: dict, timeout: int = 600, name: str = "scenario") -> dict
         # compute on the threads plain vLLM's does (bf16 bits depend on the count).
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")},
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "PYTHONFAULTHANDLER": "1",      # a native crash in any engine process prints its stack
                **args.get("env", {})}      # e.g. KVREEL_RETRIEVAL, read by kvreel's vLLM plugin
         proc = subprocess.run([sys.executable, str(HERE / "vllm_scenarios.py"), name, json.dumps(args),
                                str(out)], env=env, capture_output=True, text=True, timeout=timeout)
