@@ -216,12 +216,16 @@ def test_clusters_follow_the_labels_and_rank_the_candidates():
     assert sorted(fresh.candidates(q, 3 * BS)[1].tolist()) == list(range(3 * BS, 6 * BS))
 
 
-def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
+@pytest.mark.parametrize("rows", [4, 69])
+def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster(rows):
     """The cluster index takes whole clusters in rank order (the last one in
     part): the same tokens as ranking every token by its cluster's place (the
-    better of its place by centroid share and by bound share) and keeping the
-    best ``count``; tokens labelled after it was built are always candidates,
-    and a relabelling regroups at once."""
+    better of its place by centroid share and by bound share, softmaxes over
+    all rows at once: the ranking's blocks of rows, the last one partial, change
+    nothing) and keeping the best ``count``; tokens labelled after it was built
+    are always candidates, and a relabelling regroups at once."""
+    from kvreel.connector.retrieval.history import RANK_ROWS
+    assert RANK_ROWS < rows < 2 * RANK_ROWS or rows < RANK_ROWS
     import math
     lh, k, v = history(blocks=24)
     lh.append(pages_of(k, v), 0)
@@ -229,7 +233,7 @@ def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster():
     g = torch.Generator().manual_seed(3)
     labels = torch.randint(0, 40, (H, n), generator=g)
     lh.set_labels(BS, labels[:, :n - 3 * BS])                    # the newest three blocks not labelled yet
-    q = torch.randn(H, 4, D, generator=g)
+    q = torch.randn(H, rows, D, generator=g)
 
     def rank_of_every_token():
         """Each token's cluster's place (lower: better); -1 for tokens not grouped yet."""
