@@ -58,12 +58,18 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def first_error(log: str, lines: int = 60) -> str:
-    """The lines of ``log`` from its first traceback or fatal error on: where an engine
-    process died first (the tail shows only what the others said after)."""
+    """What ``log`` says about the first engine process that died: the lines that
+    report a death (vLLM's worker monitor, a signal), then a fatal error's stack
+    (faulthandler) or else the first traceback (the tail shows only what the
+    others said after)."""
     text = log.splitlines()
-    at = next((i for i, line in enumerate(text)
-               if "Traceback (most recent call last)" in line or "Fatal Python error" in line), None)
-    return "(none)" if at is None else "\n".join(text[at:at + lines])
+    deaths = [line for line in text if any(sign in line for sign in ("died unexpectedly", "Segmentation fault",
+                                                                      "Killed", "exit code"))]
+    at = next((i for i, line in enumerate(text) if "Fatal Python error" in line), None)
+    if at is None:
+        at = next((i for i, line in enumerate(text) if "Traceback (most recent call last)" in line), None)
+    stack = "(no traceback)" if at is None else "\n".join(text[at:at + lines])
+    return "\n".join(deaths[:10] + [stack])
 
 
 def run_scenario(args: dict, timeout: int = 600, name: str = "scenario") -> dict:
