@@ -17,14 +17,14 @@ sets held (kvreel's counters), and the held-out prefill's wall time
 setting N times round-robin: times are medians with every run kept, and each
 setting records whether its answers matched its first run's and every run's
 score and held-out agreement (which labels the DRE has delivered by a step
-moves them). Results are written after every engine; a run of the same commit and settings that was
-interrupted goes on where it stopped, and full attention (plain vLLM, no
-kvreel code) is kept from a run of any commit with the same settings, inputs,
-vLLM version and CPU (its vector ISA and vLLM's attention kernel), its own
-commit and machine recorded beside it. Each run hands its engines its cases
-from a folder of its own, so two suites (other names) can run side by side,
-each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0`` and ``=1``), where
-only answers are wanted.
+moves them). Results are written after every engine; a run of the same commit
+and settings that was interrupted goes on where it stopped, and full attention
+(plain vLLM, no kvreel code) is kept from a run of any commit with the same
+settings, inputs, vLLM version and CPU (its vector ISA and vLLM's attention
+kernel), its own commit and machine recorded beside it. Each run hands its
+engines its cases from a folder of its own, so two suites (other names) can
+run side by side, each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0``
+and ``=1``), where only answers are wanted.
 
     python bench/long_context_suite.py --model models/smollm2-135m
 
