@@ -173,7 +173,8 @@ def main() -> None:
                     r["cases_wall_s_runs"].append(got["cases_s"])
                     r["held_out_wall_s_runs"].append(got["held_out_s"])
                     for k in ("right_total", "held_out_top1_agreement"):     # the DRE's timing can move them
-                        r.setdefault(f"{k}_runs", []).append(summary[k])
+                        if f"{k}_runs" in r:      # absent where run 1 predates them: no list without run 1's value
+                            r[f"{k}_runs"].append(summary[k])
                     r["same_as_first_run"] &= all(summary[k] == r[k]
                                                   for k in ("answers", "held_out_top1_agreement", "top1"))
                 r = results[label]

@@ -168,7 +168,7 @@ def prefill_at_length(d: dict) -> Figure:
                   " (" + ", ".join(f"{name} {spread(a, '{:.0f}')}" for name, a in ours) +
                   f" vs full attention {spread(full, '{:.0f}')} s)",
                   "; ".join(f"{name} {listed(a, '{:.0f}')}" for name, a in ours) + f"; full {listed(full, '{:.0f}')}",
-                  min(len(a) for _, a in [("full", full), *ours]))
+                  min(len(a) for a in [full, *(a for _, a in ours)]))
 
 
 def failover(d: dict) -> Figure:

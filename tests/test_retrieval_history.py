@@ -224,9 +224,10 @@ def test_candidates_are_a_top_count_of_the_tokens_ranked_by_their_cluster(rows):
     all rows at once: the ranking's blocks of rows, the last one partial, change
     nothing) and keeping the best ``count``; tokens labelled after it was built
     are always candidates, and a relabelling regroups at once."""
+    import math
+
     from kvreel.connector.retrieval.history import RANK_ROWS
     assert RANK_ROWS < rows < 2 * RANK_ROWS or rows < RANK_ROWS
-    import math
     lh, k, v = history(blocks=24)
     lh.append(pages_of(k, v), 0)
     n = lh.num_tokens - BS
