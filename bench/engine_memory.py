@@ -38,7 +38,7 @@ from long_context_tasks import suite  # noqa: E402
 
 from kvreel.connector.config import parse_bytes  # noqa: E402
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "dre")  # the package paths its figures measure (bench/report.py)
 
 MIB = 1 << 20
 SAMPLES = 200               # kept per run (evenly thinned), besides the peak

@@ -37,7 +37,8 @@ from common import (cluster_master, commit, engine_env, free_port, save, save_fi
 from peers import (add_dtype_arg, add_workload_args, bench_serve, build_workloads, engine_args, plot_rounds,  # noqa: E402
                    prefix_counters, run_rounds, workload_settings)
 
-from kvreel.connector.cli import CONNECTOR_JSON, stop_server, wait_healthy  # noqa: E402
+from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
+from kvreel.cli.server_process import stop_server, wait_healthy  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
 MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)

@@ -32,7 +32,7 @@ from fleet import Fleet  # noqa: E402
 from peers import add_dtype_arg  # noqa: E402
 from soak import greedy_gaps  # noqa: E402
 
-from kvreel.connector.cli import stop_server  # noqa: E402
+from kvreel.cli.server_process import stop_server  # noqa: E402
 
 MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
 

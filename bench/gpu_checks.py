@@ -37,7 +37,7 @@ def nvdec_checks(data_dir: Path) -> dict:
     """Per resolution: exactness, one decoder's rate, and a DecoderPool's rate with
     1..8 workers on 16 chunks, NVDEC vs PyAV (when carried) on the same streams."""
     from kvreel.codec import decode_chunk, read_header
-    from kvreel.scheduler.decoder_pool import DecoderPool
+    from kvreel.connector.worker_side.fetch.decoder_pool import DecoderPool
     import PyNvVideoCodec as nvc
     ref = torch.load(data_dir / "kv_2048.pt")
     out = {}
@@ -111,7 +111,7 @@ def encode_missing(data_dir: Path) -> dict:
 
 
 def copy_bench() -> dict:
-    from kvreel.connector.block_copy import PagedRegions
+    from kvreel.connector.worker_side.block_copy import PagedRegions
     num_blocks, page = 4096, 64 * 1024           # 16 layers x 256 MiB
     layers = 16
     cache = torch.empty((layers, num_blocks, page), dtype=torch.uint8, device="cuda")

@@ -33,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
 MODES = {"every layer at once": False, "one layer a step": True}
 
@@ -52,7 +52,7 @@ def runtime(layers: int, heads: int, head_dim: int, block: int):
 
 def steps(rt, a, ahead: bool) -> list[float]:
     """Per answer block, the ms its ``add_history`` took."""
-    from kvreel.connector.retrieval.history_plan import room_tokens
+    from kvreel.scheduler.history_plan import room_tokens
     g = torch.Generator().manual_seed(0)
     prompt = torch.randn(a.prompt // a.block, a.heads, 2 * a.block, a.head_dim, generator=g)
     block = torch.randn(1, a.heads, 2 * a.block, a.head_dim, generator=g)

@@ -39,7 +39,7 @@ from common import (CONNECTOR, engine_in_subprocess, engine_or_main, python_sour
 
 from kvreel.connector.config import KVReelConfig  # noqa: E402
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "dre")  # the package paths its figures measure (bench/report.py)
 
 
 

@@ -62,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (free_port, python_source_corpus, save, save_figure, scratch,  # noqa: E402
                     start_openai_server, start_redis, summarize_runs, wait_port)
 
-from kvreel.connector.cli import CONNECTOR_JSON, stop_server  # noqa: E402
+from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
+from kvreel.cli.server_process import stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
 MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)

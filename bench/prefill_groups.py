@@ -32,7 +32,7 @@ from common import plot_agreement, python_source_corpus, save  # noqa: E402
 from kvreel.connector.config import KVReelConfig  # noqa: E402
 from kvreel.connector.retrieval.selection import kept_tokens, select_tokens  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
 BLOCK = 32
 

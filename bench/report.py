@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, load_results, machine_words  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-PACKAGE = ("connector", "scheduler", "codec")
+PACKAGE = ("connector", "scheduler", "codec", "dre", "cli")
 # results written before save() recorded the script (``--name`` chose another name)
 OLDER_NAMES = {"no_reuse": "peers", "long_context_held_out": "long_context_suite", "prefill_alpha": "prefill_groups",
                "prefill_budget": "prefill_groups"}

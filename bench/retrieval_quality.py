@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import save, save_figure  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
-from kvreel.connector.retrieval.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
-from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
-                                             wicsum)
+from kvreel.dre.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
+from kvreel.dre.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
+                             wicsum)
 
-MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
 RATIOS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
 ALPHAS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.998, 0.999)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, engine_in_subprocess, engine_or_main, in_process_dre, load_results,  # noqa: E402
                     machine_words, python_source_corpus, report, retrieval_counters, save, save_figure)
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "dre")  # the package paths its figures measure (bench/report.py)
 
 
 

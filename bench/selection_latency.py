@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 from kvreel.connector.retrieval.selection import narrows  # noqa: E402
 
-MEASURES = ("connector/retrieval",)  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
 H, G, D, BLOCK, CHUNK = 2, 3, 64, 128, 512
 

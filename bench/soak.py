@@ -47,7 +47,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvreel.connector.cli import CONNECTOR_JSON, stop_server
+from kvreel.cli.serve import CONNECTOR_JSON
+from kvreel.cli.server_process import stop_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (free_port, load_results, machine_words, python_source_corpus, rss_by_process_mib,  # noqa: E402
@@ -331,7 +332,7 @@ def run(a: argparse.Namespace, work: Path) -> None:
                     except OSError:
                         pass
             elif what == "DRE killed":
-                n = f" ({kill_program('kvreel.connector.retrieval.dre_service')} process)"
+                n = f" ({kill_program('kvreel.dre.service')} process)"
             elif what == "disk freed":
                 filler.unlink(missing_ok=True)
             else:

@@ -184,6 +184,11 @@ def form_resolution(name: str) -> int | None:
 
 # -- where chunks live ---------------------------------------------------------------
 
+BLOCK_POINTER = struct.Struct("<32sI")
+"""A remote block's pointer: its chunk's key and its row in that chunk (one per block,
+so a prefix lookup is one MGET however the chunks were cut)."""
+
+
 class StoreKeys:
     """Keys of one model/layout identity in a shared store. The identity comes
     first, so two models never mix; a quantized video form has keys of its own,

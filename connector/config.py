@@ -81,7 +81,7 @@ def _directory(text: str) -> str | None:
 
 
 def _dre_address(text: str) -> str | None:
-    """A Unix-socket path (it has a ``/``) or ``host:port`` (``dre_wire.listen``/``connect`` read either)."""
+    """A Unix-socket path (it has a ``/``) or ``host:port`` (``kvreel.dre.wire.listen``/``connect`` read either)."""
     if not text:
         return None
     if "/" in text:
@@ -106,12 +106,8 @@ def _remote_url(text: str) -> str | None:
 
 
 def _hex_secret(text: str) -> str | None:
-    if not text:
-        return None
-    if len(text) < 32:
-        raise ValueError(text)
-    bytes.fromhex(text)
-    return text
+    from kvreel.dre.wire import parse_secret_hex         # the DRE service checks it the same way
+    return text if parse_secret_hex(text) else None
 
 
 def _forms(text: str) -> tuple[str, ...]:

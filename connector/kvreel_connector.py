@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvreel.connector.block_copy import copied_groups, layout_of
+from kvreel.connector.worker_side.block_copy import copied_groups, layout_of
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata
 from kvreel.connector.stats import KVReelPromMetrics, KVReelStats
@@ -179,7 +179,7 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvreel.connector.scheduler_side import KVReelScheduler
+            from kvreel.scheduler.kvreel_scheduler import KVReelScheduler
             regions, block_bytes = layout_of(kv_cache_config)
             history_bytes = None
             if self.cfg.retrieval != "off":           # one full-attention group (check_kv_cache_groups)
@@ -195,7 +195,7 @@ class KVReelConnector(KVConnectorBase_V1, SupportsHMA):
                                               kv_events=kv_events_enabled(vllm_config),
                                               history_bytes_per_block=history_bytes)
         else:
-            from kvreel.connector.worker_side import KVReelWorker
+            from kvreel.connector.worker_side.worker import KVReelWorker
             self._worker = KVReelWorker(self.cfg, self.identity, _worker_rank(), fields)
 
     # ---------------- worker side ----------------

@@ -15,8 +15,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.tiers import Tier
+
+GroupBlockIds = tuple[list[int], ...]
+"""Block ids per KV cache group, position by position (one list per group; with
+vLLM's hybrid KV cache manager a sliding-window group holds NULL_BLOCK where a
+position left its window)."""
 
 
 @dataclass

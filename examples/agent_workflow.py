@@ -46,7 +46,7 @@ def kvreel_counters(base_url: str, by_label: dict[str, str]) -> dict[str, float]
 def agent_prompts(chars: int) -> dict[str, str]:
     """A long fixed prompt per agent: a role line and a different piece of the
     standard library's source as its reference material."""
-    from kvreel.connector.tiny_model import corpus_files
+    from kvreel.cli.tiny_model import corpus_files
     text = "".join(Path(f).read_text(errors="replace") for f in corpus_files()[:60])
     return {a: f"# You are the {a}. Reference material follows.\n" + text[i * chars:(i + 1) * chars]
             for i, a in enumerate(AGENTS)}
@@ -99,7 +99,7 @@ def main() -> int:
     a = ap.parse_args()
     server = None
     if a.serve:
-        from kvreel.connector.cli import free_port, stop_server, wait_healthy
+        from kvreel.cli.server_process import free_port, stop_server, wait_healthy
         import subprocess
         port = free_port()
         disk = tempfile.mkdtemp(prefix="kvreel-agents-")

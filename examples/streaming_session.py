@@ -27,7 +27,7 @@ QUESTIONS = ("# What does the code above define?\n", "# Which function is called
 
 def segments(n: int, chars: int) -> list[str]:
     """n frames: consecutive pieces of the standard library's source."""
-    from kvreel.connector.tiny_model import corpus_files
+    from kvreel.cli.tiny_model import corpus_files
     text = "".join(Path(f).read_text(errors="replace") for f in corpus_files()[:40])
     return [text[i * chars:(i + 1) * chars] for i in range(n)]
 
@@ -65,7 +65,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = a.model
     if model is None:
-        from kvreel.connector.tiny_model import build_tiny_llama
+        from kvreel.cli.tiny_model import build_tiny_llama
         model = str(build_tiny_llama(Path(tempfile.gettempdir()) / "kvreel-tiny-llama"))
 
     from vllm import LLM, SamplingParams

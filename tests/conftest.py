@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreel.connector.cli import free_port
+from kvreel.cli.server_process import free_port
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))        # bench/ helpers (the loopback shaper) are shared with the tests
@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A 2-layer random Llama with GQA, built locally (no model hub needed)."""
-    from kvreel.connector.tiny_model import build_tiny_llama
+    from kvreel.cli.tiny_model import build_tiny_llama
     cache = os.environ.get("KVREEL_TEST_MODEL_CACHE")  # lets local reruns skip the build
     out = Path(cache) if cache else tmp_path_factory.mktemp("tiny-llama")
     return str(build_tiny_llama(out))
@@ -46,7 +46,7 @@ def tiny_model(tmp_path_factory) -> str:
 def wide_model(tmp_path_factory) -> str:
     """A 4-layer random Llama twice as wide: its matrix products are large enough
     that their bf16 bits depend on the engine's thread count on some CPUs."""
-    from kvreel.connector.tiny_model import build_tiny_llama
+    from kvreel.cli.tiny_model import build_tiny_llama
     cache = os.environ.get("KVREEL_TEST_MODEL_CACHE")
     out = Path(cache) / "wide" if cache else tmp_path_factory.mktemp("wide-llama")
     return str(build_tiny_llama(out, num_layers=4, hidden_size=512, num_heads=8, seed=7))

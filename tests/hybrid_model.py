@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvreel.connector.tiny_model import build_random_model
+from kvreel.cli.tiny_model import build_random_model
 
 
 def build_tiny_gemma3(

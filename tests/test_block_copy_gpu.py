@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvreel.connector.block_copy import MAX_DMA_RUNS, PagedRegions
+from kvreel.connector.worker_side.block_copy import MAX_DMA_RUNS, PagedRegions
 from kvreel.connector.vllm_internals import NULL_BLOCK
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ def kvreel(*args, env=None):
     """``kvreel ARGS`` in a fresh process; 600 s as for the demo: ``publish`` starts a
     vLLM engine (82 s on an AVX2-only 2-core CPU, past 120 s with another engine beside it)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    return subprocess.run([sys.executable, "-m", "kvreel.connector.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvreel.cli.main", *args], capture_output=True, text=True,
                           env={**base, **(env or {})}, timeout=600)
 
 
@@ -126,7 +126,7 @@ def test_publish_uploads_documents_that_a_fresh_engine_reuses(tiny_model, tmp_pa
 
 
 def test_serve_refuses_a_bad_setting_in_one_line_without_importing_vllm():
-    check = ("import sys; from kvreel.connector.cli import main; rc = main(sys.argv[1:]); "
+    check = ("import sys; from kvreel.cli.main import main; rc = main(sys.argv[1:]); "
              "print('vllm imported' if 'vllm' in sys.modules else 'vllm not imported'); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", check, "serve", "some/model", "--port", "8000"],
                          capture_output=True, text=True, timeout=120,
@@ -141,7 +141,7 @@ def test_serve_refuses_a_bad_setting_in_one_line_without_importing_vllm():
 def test_serve_attaches_kvreel_on_loopback_and_passes_the_rest_to_vllm(monkeypatch):
     import json
 
-    from kvreel.connector.serve import API_SERVER, server_command
+    from kvreel.cli.serve import API_SERVER, server_command
     monkeypatch.delenv("KVREEL_CPU_BYTES", raising=False)
     cmd = server_command(["m", "--port", "8000", "--max-model-len", "4096"])
     assert cmd[:3] == [sys.executable, "-m", API_SERVER]

@@ -14,7 +14,7 @@ import pytest
 
 def demo(tmp_path, **env):
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    return subprocess.run([sys.executable, "-m", "kvreel.connector.cli", "demo", "--model-dir",
+    return subprocess.run([sys.executable, "-m", "kvreel.cli.main", "demo", "--model-dir",
                            str(tmp_path / "tiny"), "--prompt-tokens", "1500"],
                           capture_output=True, text=True, env={**base, **env}, timeout=600)
 

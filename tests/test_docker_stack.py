@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, tokens
-from kvreel.connector.cli import _http
+from kvreel.cli.server_process import http
 from bench.common import read_counters
 
 pytestmark = pytest.mark.docker
@@ -166,7 +166,7 @@ def wait_healthy(base: str, seconds: float, what: str) -> None:
 
 
 def completion(base: str, prompt: list[int], max_tokens: int) -> dict:
-    _, body = _http(base + "/v1/completions", {"model": "/models/model", "prompt": prompt,
+    _, body = http(base + "/v1/completions", {"model": "/models/model", "prompt": prompt,
                                                "max_tokens": max_tokens, "temperature": 0})
     return json.loads(body)
 
@@ -194,7 +194,7 @@ def test_compose_stack_serves_reuse_and_retrieval(images_made_here, tiny_model, 
     sent = build_context_files()
     assert "pyproject.toml" in sent and "connector/kvreel_connector.py" in sent
     assert not [f for f in sent if f.split("/")[0] not in ("pyproject.toml", "README.md", "connector", "codec",
-                                                           "scheduler", "deploy")], sent
+                                                           "scheduler", "dre", "cli", "deploy")], sent
     args, server = serve_build_inputs(tmp_path)
     port = free_port()
     env = {**os.environ, **args, "KVREEL_IMAGE_TAG": "test", "KVREEL_PORT": str(port),
@@ -218,7 +218,7 @@ def test_compose_stack_serves_reuse_and_retrieval(images_made_here, tiny_model, 
         wait_healthy(base, 600, "vLLM in the stack")
         prompt = tokens(600, 11)
         completion(base, prompt, 4)
-        _http(base + "/reset_prefix_cache", {})
+        http(base + "/reset_prefix_cache", {})
         again = completion(base, prompt, 4)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512     # from kvreel, not vLLM
         completion(base, tokens(900, 12), 16)                                      # past the threshold

@@ -9,9 +9,9 @@ import socket
 import pytest
 import torch
 
-from kvreel.connector.retrieval.dre_client import DREClient, DREProcess
-from kvreel.connector.retrieval.dre_wire import DREError, put_tensor, take_tensor
-from kvreel.connector.retrieval.resv import cluster_keys, hyperplanes
+from kvreel.dre.client import DREClient, DREProcess
+from kvreel.dre.wire import DREError, put_tensor, take_tensor
+from kvreel.dre.resv import cluster_keys, hyperplanes
 
 
 def data(T=600, D=64, seed=0):
@@ -78,7 +78,7 @@ def test_bad_requests_get_clear_errors_and_do_not_stop_the_service(dre, tmp_path
 
 
 def test_shared_secret_is_required_and_checked(tmp_path):
-    proc = DREProcess(str(tmp_path / "s.sock"), secret=b"correct horse")
+    proc = DREProcess(str(tmp_path / "s.sock"), secret=b"correct horse battery")
     client = proc.start()
     try:
         assert client.submit("ping").result(10)["ok"]
@@ -89,6 +89,18 @@ def test_shared_secret_is_required_and_checked(tmp_path):
     finally:
         client.close()
         proc.stop()
+
+
+@pytest.mark.parametrize("bad, why", [("abcd", "needs at least 32 hex digits, got 4"),
+                                       ("zz" * 16, "is not an even number of hex digits")])
+def test_the_service_refuses_a_malformed_secret_in_one_line(tmp_path, bad, why):
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "kvreel.dre.service", "--address", str(tmp_path / "s.sock")],
+                         env=dict(os.environ, KVREEL_DRE_SECRET_HEX=bad), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == f"kvreel dre: KVREEL_DRE_SECRET_HEX {why}", out.stderr
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_a_dead_service_fails_pending_requests_and_is_restarted(dre):
@@ -125,7 +137,7 @@ def test_kvreel_dre_over_tcp_binds_loopback_by_default():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.cli", "dre",
+    proc = subprocess.Popen([sys.executable, "-m", "kvreel.cli.main", "dre",
                              "--address", f":{port}"], stdout=subprocess.PIPE, text=True)
     try:
         assert "listening" in proc.stdout.readline()
@@ -149,7 +161,7 @@ def test_a_service_in_another_ipc_namespace_gets_tensors_inline(dre):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["unshare", "--ipc", sys.executable, "-m", "kvreel.connector.cli", "dre",
+    proc = subprocess.Popen(["unshare", "--ipc", sys.executable, "-m", "kvreel.cli.main", "dre",
                              "--address", f"127.0.0.1:{port}", "--bits", "12", "--hamming", "1"],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -198,9 +210,9 @@ def test_segments_left_by_a_process_that_died_are_discarded_by_the_next_dre_star
     import sys
     from multiprocessing import shared_memory
 
-    from kvreel.connector.retrieval.dre_wire import discard_orphaned_segments
+    from kvreel.dre.wire import discard_orphaned_segments
     dead = subprocess.run([sys.executable, "-c", "import os, torch\n"
-                           "from kvreel.connector.retrieval.dre_wire import put_tensor\n"
+                           "from kvreel.dre.wire import put_tensor\n"
                            "print(put_tensor(torch.arange(1000))['shm'], os.getpid(), flush=True); os._exit(0)"],
                           capture_output=True, text=True, check=True).stdout.split()
     assert dead[0] in _segments(int(dead[1]))                      # left behind
@@ -238,7 +250,7 @@ def test_a_request_the_dre_never_took_leaves_no_shared_memory(dre):
 
 
 def test_mosaic_tables_label_what_the_index_holds_in_process(dre):
-    from kvreel.connector.retrieval.mosaic import MosaicSession
+    from kvreel.dre.mosaic import MosaicSession
     _, client = dre
     keys = data(T=256)
     reply = client.submit("cluster", handle="m", keys=keys, method="mosaic", segment=32).result(30)
@@ -246,7 +258,7 @@ def test_mosaic_tables_label_what_the_index_holds_in_process(dre):
 
 
 def test_extended_tables_label_as_tables_of_the_whole_history(dre):
-    from kvreel.connector.retrieval.mosaic import MosaicSession
+    from kvreel.dre.mosaic import MosaicSession
     _, client = dre
     keys = data(T=608)
     labels = [client.submit("cluster", handle="r", keys=keys[:320])]
@@ -275,7 +287,7 @@ def test_mosaic_splits_pending_on_fetched_clusters_are_applied(dre):
     is split once the worker says it has been reading it (Mosaic's deferred
     split), and the reply carries every token's new label; a cluster with a
     pending split that nobody reads stays whole."""
-    from kvreel.connector.retrieval.mosaic import MosaicSession
+    from kvreel.dre.mosaic import MosaicSession
     _, client = dre
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(4, 64, generator=g) * 2
@@ -304,7 +316,7 @@ def test_a_dre_started_by_a_worker_never_outlives_it(tmp_path):
     import subprocess
     import sys
     import time
-    code = ("import sys; from kvreel.connector.retrieval.dre_client import DREProcess\n"
+    code = ("import sys; from kvreel.dre.client import DREProcess\n"
             f"p = DREProcess({str(tmp_path / 'dre.sock')!r}); p.start(); print(p.proc.pid, flush=True)\n"
             "import os; os._exit(0)   # the worker dies without cleaning up\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
+from kvreel.connector.worker_side.fetch.adaptive import BandwidthEstimator, Candidate, choose
 from bench.shaper import Shaper
 
 VIDEO = [Candidate("video@256", 4_000_000, 0.030), Candidate("video@512", 3_600_000, 0.020),

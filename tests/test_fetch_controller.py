@@ -12,9 +12,10 @@ import torch
 
 from kvreel.codec.formats import StoreKeys
 from kvreel.codec.forms import KVView, StoredForms
-from kvreel.connector.tiers.remote import RemoteLookups, RemoteTier
-from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
-from kvreel.scheduler.fetch_controller import FetchController
+from kvreel.connector.tiers.remote import RemoteTier
+from kvreel.scheduler.remote_lookups import RemoteLookups
+from kvreel.connector.worker_side.fetch.decode_profile import DecodeProfile, synthetic_payload
+from kvreel.connector.worker_side.fetch.controller import FetchController
 
 SPEC = SimpleNamespace(num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
 SHAPE = torch.Size([3, 2, 2 * 16 * 2 * 64 * 2])      # regions, blocks, block_bytes

@@ -17,7 +17,8 @@ import pytest
 
 from bench.common import zmq_relay
 from conftest import tokens
-from kvreel.connector.cli import CONNECTOR_JSON, free_port, stop_server, wait_healthy
+from kvreel.cli.serve import CONNECTOR_JSON
+from kvreel.cli.server_process import free_port, stop_server, wait_healthy
 
 pytestmark = pytest.mark.vllm
 BS = 32

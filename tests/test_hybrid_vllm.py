@@ -104,7 +104,7 @@ def test_pages_of_overlaid_groups_are_copied_with_their_own_block_ids():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, \
         SlidingWindowSpec
 
-    from kvreel.connector.block_copy import NULL_BLOCK, PagedRegions, layout_of
+    from kvreel.connector.worker_side.block_copy import NULL_BLOCK, PagedRegions, layout_of
     blocks, page = 8, 16
     buf = torch.arange(2 * blocks * page, dtype=torch.int16).to(torch.int8)
     tensors = [KVCacheTensor(size=buf.numel(), layers=names, layer_stride=blocks * page, block_stride=page)

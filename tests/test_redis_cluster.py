@@ -16,7 +16,7 @@ from kvreel.codec.formats import ChunkUnavailable
 from kvreel.codec.forms import StoredForms
 from kvreel.connector.tiers.remote import RemoteTier
 from kvreel.connector.tiers.store import open_store, parse_cluster_url, redact_url
-from kvreel.scheduler.decode_profile import synthetic_payload
+from kvreel.connector.worker_side.fetch.decode_profile import synthetic_payload
 
 SHAPE = torch.Size([3, 4, 4096])
 TIMEOUT_S = 1.0
@@ -109,7 +109,7 @@ def test_doctor_shows_the_cluster_nodes_and_their_roles(redis_cluster):
     import sys
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")},
            "KVREEL_REMOTE_URL": url(redis_cluster, seeds=1)}
-    out = subprocess.run([sys.executable, "-m", "kvreel.connector.cli", "doctor"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "kvreel.cli.main", "doctor"], capture_output=True, text=True,
                          env=env, timeout=120)
     row = next(line for line in out.stdout.splitlines() if line.startswith("remote tier"))
     assert "reachable; cluster nodes:" in row and ":***@" in row and "s3cret" not in out.stdout

@@ -10,7 +10,8 @@ import torch
 from bench.shaper import Shaper
 from kvreel.codec.formats import ChunkUnavailable
 from kvreel.codec.forms import StoredForms
-from kvreel.connector.tiers.remote import RemoteLookups, RemoteTier
+from kvreel.connector.tiers.remote import RemoteTier
+from kvreel.scheduler.remote_lookups import RemoteLookups
 
 ID = "model-r"
 KEY = b"\x05" * 32

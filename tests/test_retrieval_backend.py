@@ -245,7 +245,7 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
 def test_a_new_choice_replaces_the_working_set_in_its_order(setup):
     """Each choice is written whole, in its order (over whatever the last one
     left); a history attended in order again is written back in token order."""
-    from kvreel.connector.retrieval.history import block_tokens
+    from kvreel.connector.retrieval.scoring import block_tokens
     from kvreel.connector.retrieval.page_packing import PagePacking
     impl, runtime = setup
     g = torch.Generator().manual_seed(5)
@@ -353,7 +353,7 @@ def test_a_long_history_is_narrowed_by_the_dres_clusters(setup):
         runtime.dre.take_labels(runtime.histories)
     assert int(lh.counts.sum()) == H * 13 * BS
     # the DRE's tables (a child process on this host) are charged beside the histories
-    from kvreel.connector.retrieval.resv import HASH_BITS, cluster_keys, hyperplanes
+    from kvreel.dre.resv import HASH_BITS, cluster_keys, hyperplanes
     planes = hyperplanes(D, HASH_BITS, seed=1)
     tables = sum(cluster_keys(k, planes, 0).nbytes for k in lh.dre_keys())
     assert runtime.dre.table_bytes() == tables > 0
@@ -396,7 +396,7 @@ def test_a_decoding_step_holds_whole_blocks_narrowed_by_their_key_bounds(setup):
     bounds (no DRE is asked for) and holds whole blocks, the sink's first, copied
     as vLLM packed them; a query that points at one key still gets its block, and
     a prefill chunk of the same request is not narrowed so."""
-    from kvreel.connector.retrieval.history import block_tokens
+    from kvreel.connector.retrieval.scoring import block_tokens
     impl, runtime = setup
     layer, cache, meta, q = _a_query_for_one_key(runtime, 11, retrieval_decode_candidates=2)
     hist = runtime.histories["r"]

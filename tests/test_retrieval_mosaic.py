@@ -2,7 +2,7 @@
 
 import torch
 
-from kvreel.connector.retrieval.mosaic import MosaicIndex, MosaicSession, cosine_kmeans
+from kvreel.dre.mosaic import MosaicIndex, MosaicSession, cosine_kmeans
 
 
 def session(frames=12, per_frame=32, D=32, seed=0):

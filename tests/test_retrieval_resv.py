@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvreel.connector.retrieval.resv import (cluster_keys, cluster_scores, extend_clusters, frame_scores, hash_keys,
-                                             hyperplanes, wicsum, wicsum_bucketed)
+from kvreel.dre.resv import (cluster_keys, cluster_scores, extend_clusters, frame_scores, hash_keys,
+                             hyperplanes, wicsum, wicsum_bucketed)
 
 
 def keys(T=512, D=64, seed=0):

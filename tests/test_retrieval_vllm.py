@@ -74,7 +74,7 @@ def test_small_budget_completes_survives_a_dre_kill_and_preemption(tiny_model, r
                         "kvreel": {"cpu_bytes": "256MiB", **settings},
                         "phases": [
                             {"prompts": [LONG, SHORT], "max_tokens": 24},
-                            {"before": "kill:kvreel.connector.retrieval.dre_service", "prompts": [LONG2],
+                            {"before": "kill:kvreel.dre.service", "prompts": [LONG2],
                              "max_tokens": 40},
                             # short requests growing past the cache: vLLM preempts the long session (the
                             # latest), which resumes with its history brought back from kvreel's host tier

@@ -6,10 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.scheduler_side.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore, TierBudget
-from kvreel.connector.scheduler_side.loads import LoadPlanner
-from kvreel.connector.scheduler_side.requests import RequestState
-from kvreel.connector.scheduler_side.saves import SavePlanner
+from kvreel.scheduler.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore, TierBudget
+from kvreel.scheduler.eviction import WorkflowPolicy
+from kvreel.scheduler.loads import LoadPlanner
+from kvreel.scheduler.requests import RequestState
+from kvreel.scheduler.saves import SavePlanner
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.vllm_internals import NULL_BLOCK
 
@@ -45,7 +46,7 @@ def test_tier_budgets_evict_lru_or_the_furthest_needed_first():
     b.pins = 1
     assert lru.victims_for(2 * BLOCK_BYTES) == [a]            # pinned chunks never go
     assert lru.victims_for(5 * BLOCK_BYTES) is None           # more than the tier holds
-    far = TierBudget(HOST, 4 * BLOCK_BYTES, steps=lambda ch: {a.key: 1, c.key: 7}[ch.key])
+    far = TierBudget(HOST, 4 * BLOCK_BYTES, WorkflowPolicy(lambda ch: {a.key: 1, c.key: 7}[ch.key]))
     far.add(a)
     far.add(c)
     assert far.victims_for(2 * BLOCK_BYTES) == [c]            # needed 7 steps ahead: first to go

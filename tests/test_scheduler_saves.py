@@ -14,7 +14,7 @@ BS = 32
 
 def make_scheduler(tmp_path, **env):
     from kvreel.connector.config import KVReelConfig
-    from kvreel.connector.scheduler_side import KVReelScheduler
+    from kvreel.scheduler.kvreel_scheduler import KVReelScheduler
     cfg = KVReelConfig.load(env={"KVREEL_CPU_BYTES": "1MiB", "KVREEL_DISK_DIR": str(tmp_path),
                                  "KVREEL_CHUNK_TOKENS": str(2 * BS), **env})
     return KVReelScheduler(cfg, "model", block_size=BS, bytes_per_block=1024)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_no_unpickling_in_the_package():
-    for folder in ("connector", "codec", "scheduler"):
+    for folder in ("connector", "codec", "scheduler", "dre", "cli"):
         for path in (ROOT / folder).rglob("*.py"):
             text = path.read_text()
             assert not re.search(r"\bimport pickle\b|\bpickle\.loads?\b|\btorch\.load\b|\bmarshal\b", text), path
@@ -40,7 +40,7 @@ def test_store_values_over_the_limit_are_not_fetched(redis_server):
 
 
 def test_servers_started_by_kvreel_bind_loopback():
-    cli = (ROOT / "connector" / "cli.py").read_text()
+    cli = (ROOT / "cli" / "main.py").read_text()
     assert '"--host", "127.0.0.1"' in cli
     assert "0.0.0.0" not in cli
 
@@ -48,7 +48,7 @@ def test_servers_started_by_kvreel_bind_loopback():
 def test_the_dre_never_opens_or_deletes_a_segment_it_did_not_create():
     from multiprocessing import shared_memory
     import torch
-    from kvreel.connector.retrieval.dre_wire import DREError, put_tensor, take_tensor
+    from kvreel.dre.wire import DREError, put_tensor, take_tensor
     victim = shared_memory.SharedMemory(create=True, size=64)
     try:
         victim.buf[:4] = b"mine"
@@ -69,9 +69,9 @@ def test_the_dre_refuses_a_public_address_without_a_secret():
     import os
     import subprocess
     import sys
-    from kvreel.connector.cli import free_port
+    from kvreel.cli.server_process import free_port
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    out = subprocess.run([sys.executable, "-m", "kvreel.connector.cli", "dre", "--address", f"0.0.0.0:{free_port()}"],
+    out = subprocess.run([sys.executable, "-m", "kvreel.cli.main", "dre", "--address", f"0.0.0.0:{free_port()}"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("kvreel dre: refusing to serve 0.0.0.0:")

@@ -8,8 +8,8 @@ from array import array
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from kvreel.connector.scheduler_side.chunks import Chunk
-from kvreel.connector.scheduler_side.events import REMOTE_OWNERSHIP, TierEvents
+from kvreel.scheduler.chunks import Chunk
+from kvreel.scheduler.events import REMOTE_OWNERSHIP, TierEvents
 from kvreel.connector.tiers import Tier
 
 BS = 4

@@ -11,7 +11,7 @@ from kvreel.codec.formats import ChunkError, ChunkUnavailable
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata, LoadOp, LoadPiece, StoreOp
 from kvreel.connector.tiers import ChunkTier, Tier, TierChanges
-from kvreel.connector.worker_side import KVReelWorker
+from kvreel.connector.worker_side.worker import KVReelWorker
 
 LAYERS, BLOCKS, PAGE = 3, 32, 256
 KEY = b"\x07" * 32
@@ -166,4 +166,31 @@ def test_a_chunk_still_being_saved_is_loaded_and_deleted_only_once_stored():
 def test_with_save_copy_step_a_save_is_done_when_its_step_ends():
     worker, cache, disk = worker_with_fake_disk({"KVREEL_SAVE_COPY": "step"})
     worker.wait_for_save(KVReelMetadata(stores=[StoreOp(KEY, [b"a" * 32], ([3],), {Tier.DISK})]))
-    assert worker._saver is None and torch.equal(disk.chunks[KEY], cache[:, [3]])     # no fence needed
+    assert not worker.saver.on_thread and torch.equal(disk.chunks[KEY], cache[:, [3]])     # no fence needed
+
+
+def test_a_load_from_the_host_tier_runs_through_five_package_modules_at_most():
+    """Every kvreel function a host-tier load calls, traced: the worker, its save
+    fences, the host tier, the page copy and the reports, besides the step's
+    message (``metadata``: a property of the piece) and the counters
+    (``stats``), which every path uses. A load that wandered through more
+    rooms would be harder to follow and to keep fast."""
+    import sys
+    worker, cache, _ = worker_with_fake_disk()
+    save(worker, StoreOp(KEY, [b"a" * 32], ([3],), {Tier.HOST}))
+    saved = cache[:, 3].clone()
+    meta = KVReelMetadata(loads=[LoadOp("r1", [LoadPiece(KEY, Tier.HOST, 0, ([20],))], False)])
+    touched = set()
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("kvreel."):
+            touched.add(frame.f_globals["__name__"])
+    sys.setprofile(note)
+    try:
+        worker.start_load_kv(meta)
+    finally:
+        sys.setprofile(None)
+    assert torch.equal(cache[:, 20], saved) and worker.take_load_errors() == set()
+    assert len(touched - {"kvreel.connector.metadata", "kvreel.connector.stats"}) <= 5, sorted(touched)
+    assert {"kvreel.connector.worker_side.worker", "kvreel.connector.tiers.host",
+            "kvreel.connector.worker_side.block_copy"} <= touched, sorted(touched)

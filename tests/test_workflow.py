@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.scheduler_side import KVReelScheduler
+from kvreel.scheduler.kvreel_scheduler import KVReelScheduler
 from kvreel.connector.tiers import Tier
 from kvreel.scheduler.workflow import FAR, HintError, Workflow, WorkflowTracker
 from scheduler_stand_ins import new_request, scheduler_output, worker_said

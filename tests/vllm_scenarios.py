@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from kvreel.connector.cli import CONNECTOR
+from kvreel.cli.serve import CONNECTOR
 
 
 def make_llm(model: str, *, kvreel: dict | None, num_blocks: int | None = None, block_size: int = 32,

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.retrieval.dre_client import DREClient, DREProcess
-from kvreel.connector.retrieval.dre_wire import DREError, is_private
+from kvreel.dre.client import DREClient, DREProcess
+from kvreel.dre.wire import DREError, is_private
 from kvreel.connector.retrieval.history import LayerHistory, RequestHistory
 from kvreel.connector.retrieval.working_set import WorkingSet
 

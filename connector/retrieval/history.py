@@ -25,32 +25,15 @@ blocks by the most any of their keys could score (``best_blocks``)."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from kvreel.connector import freed_memory
+from kvreel.connector.retrieval.cluster_ranking import ClusterIndex, fold_log_shares, merged
 from kvreel.connector.retrieval.page_packing import PagePacking
-
-
-@functools.cache
-def _native_half_products() -> bool:
-    """Whether this CPU multiplies 16-bit floats in hardware (AVX512-BF16 or AMX);
-    torch's probes are private, so a torch without them counts as without."""
-    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(probe() for probe in probes if probe is not None)
-
-
-def scoring_dtype(dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
-    """The dtype keys of ``dtype`` are scored in: float32 for 16-bit keys on a CPU
-    without 16-bit products, where torch's bf16 products run 10-20x slower than
-    converting the keys and multiplying in float32 (a 512-row chunk over 16 K
-    keys on an AVX2 core: 0.12 s a head pair in bf16, 9 ms converting first);
-    a float32 score is no worse."""
-    if dtype in (torch.bfloat16, torch.float16) and device_type == "cpu" and not _native_half_products():
-        return torch.float32
-    return dtype
+from kvreel.connector.retrieval.scoring import ROWS_AT_ONCE, Scratch, rows_of, scoring_dtype
+from kvreel.dre.tensors import grown
 
 
 def history_bytes_per_block(page_bytes: int, packing: PagePacking) -> int:
@@ -66,106 +49,6 @@ def history_bytes_per_block(page_bytes: int, packing: PagePacking) -> int:
     if not packing.values_in_rows:
         extra += bs * D * dtype.itemsize
     return page_bytes * (page + extra) // page
-
-
-def rows_of(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x[h, index[h]]`` for every head: ``[H, n, D]`` from ``x`` ``[H, T, D]`` and
-    ``index`` ``[H, n]`` (into ``out`` where given). Row copies (``index_select``)
-    rather than ``torch.gather`` with an expanded index, which on CPU copies
-    element by element: 25x slower for 16 K keys of 64 channels on this
-    machine, and most of a decode step."""
-    if out is None:
-        out = torch.empty(*index.shape, x.shape[2], dtype=x.dtype, device=x.device)
-    for h in range(x.shape[0]):
-        torch.index_select(x[h], 0, index[h], out=out[h])          # in place: no second copy to stack them
-    return out
-
-
-def block_tokens(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The token ids ``[H, n bs]`` of blocks ``[H, n]``, each block's in order."""
-    return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)
-
-
-class Scratch:
-    """Memory reused by every layer and step for a step's temporaries, by name:
-    a large allocation per call can be fresh memory to fault in, wherever the
-    allocator hands it back to the system (glibc past its mmap threshold): there
-    a decoding step's choice at 16 K tokens took twice as long, and a prefill
-    chunk's passes three times. A region grows to exactly what is asked (so a
-    caller's bound on what it asks bounds the memory)."""
-
-    def __init__(self):
-        self._flat: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """``numel`` elements of ``dtype`` (flat) for ``name``, overwriting what it
-        was last given."""
-        flat = self._flat.get(name)
-        if flat is None or flat.numel() < numel or flat.dtype != dtype:
-            flat = self._flat[name] = torch.empty(numel, dtype=dtype)
-        return flat[:numel]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._flat.values())
-
-
-class ClusterIndex:
-    """Per head, the history's tokens grouped by cluster, as the DRE's labels
-    stood when it was built: ``order`` lists the unlabelled tokens, then
-    cluster 0's, cluster 1's... (positions after the sink block), and each
-    cluster's run in it. A step takes the tokens of its best clusters in
-    O(clusters + candidates), where ranking every token by its cluster costs a
-    pass (and a top-k) over the whole history."""
-
-    def __init__(self, labels: torch.Tensor):
-        self.built = labels.shape[1]                                       # tokens it covers
-        self.order = torch.argsort(labels, dim=1, stable=True)
-        self.unlabelled = (labels < 0).sum(1)                              # [H]: the first of ``order``
-        clusters = int(labels.max()) + 1 if labels.numel() else 0
-        self.sizes = torch.zeros(labels.shape[0], max(clusters, 1), dtype=torch.int64).scatter_add_(
-            1, labels.clamp_min(0), (labels >= 0).long())[:, :clusters]
-        self.starts = self.unlabelled.unsqueeze(1) + self.sizes.cumsum(1) - self.sizes
-
-    def best(self, h: int, ranked: torch.Tensor, need: int) -> torch.Tensor:
-        """The first ``need`` tokens of head ``h``'s clusters taken in the order ``ranked``."""
-        sizes = self.sizes[h, ranked]
-        ends = sizes.cumsum(0)
-        taken = int(torch.searchsorted(ends, need)) + 1
-        run = torch.repeat_interleave(torch.arange(taken), torch.minimum(ends[:taken], torch.tensor(need))
-                                      - (ends[:taken] - sizes[:taken]))
-        within = torch.arange(need) - (ends - sizes)[run]
-        return self.order[h, self.starts[h, ranked[:taken]][run] + within]
-
-
-def grown(old: torch.Tensor, axis: int, size: int, used: int) -> torch.Tensor:
-    """``old`` with room for ``size`` along ``axis``, its first ``used`` there copied
-    (tensors that grow in place of ``torch.cat``, which copies all of them a step)."""
-    shape = list(old.shape)
-    shape[axis] = size
-    out = torch.empty(shape, dtype=old.dtype)
-    out.narrow(axis, 0, used).copy_(old.narrow(axis, 0, used))
-    return out
-
-
-RANK_ROWS = 64               # query rows whose cluster scores are taken together (``LayerHistory._cluster_shares``)
-
-
-def _fold_log_shares(best: torch.Tensor, logits: torch.Tensor) -> None:
-    """``best`` ``[H, C]`` raised to the largest log softmax share any row of
-    ``logits`` ``[H, r, C]`` gives each column (``logits`` overwritten)."""
-    logits -= torch.logsumexp(logits, -1, keepdim=True)
-    torch.maximum(best, logits.amax(1), out=best)
-
-
-def _merged(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """Per row, two orders ``[H, C]`` of the same ids merged: each id at the better of
-    its two places (ties: ``first``'s), so both orders' leaders come first, alternately."""
-    place = torch.empty_like(first)
-    rows = torch.arange(first.shape[1]).expand_as(first)
-    at_first = place.scatter(1, first, rows * 2)
-    at_second = place.scatter(1, second, rows * 2 + 1)
-    return torch.argsort(torch.minimum(at_first, at_second), dim=1)
 
 
 class LayerHistory:
@@ -311,7 +194,7 @@ class LayerHistory:
             self.key_max[h].scatter_reduce_(0, channels, k, "amax")
             self.key_min[h].scatter_reduce_(0, channels, k, "amin")
 
-    def candidates(self, queries: torch.Tensor, count: int) -> torch.Tensor:
+    def candidates(self, queries: torch.Tensor, count: int, scratch: Scratch | None = None) -> torch.Tensor:
         """Per head, ``count`` history tokens after the sink block ``[H, count]``
         (token ids) from the clusters the query rows ``[H, R, D]`` rank best, two
         ways merged (a cluster at its better place of the two):
@@ -325,14 +208,15 @@ class LayerHistory:
           from its cluster's centroid still brings the cluster in.
 
         Tokens the cluster index does not group yet (unlabelled, or labelled since
-        it was built) are always candidates (more than ``count`` of them: all of them)."""
-        per_token, best = self._cluster_shares(queries)
+        it was built) are always candidates (more than ``count`` of them: all of them).
+        Temporaries go in ``scratch`` where given."""
+        per_token, best = self._cluster_shares(queries, scratch)
         n = self.num_tokens - self.block_size
         index = self._cluster_index(count)
         always = index.unlabelled + (n - index.built)
         count = min(n, max(count, int(always.max())))
         built = index.sizes.shape[1]
-        ranked = _merged(torch.argsort(best[:, :built], dim=1, descending=True),
+        ranked = merged(torch.argsort(best[:, :built], dim=1, descending=True),
                          torch.argsort(per_token[:, :built], dim=1, descending=True))
         out = torch.empty(self.heads, count, dtype=torch.int64)
         for h in range(self.heads):
@@ -343,10 +227,10 @@ class LayerHistory:
                 out[h, a:] = index.best(h, ranked[h], count - a)
         return out + self.block_size
 
-    def _cluster_shares(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cluster_shares(self, queries: torch.Tensor, scratch: Scratch | None) -> tuple[torch.Tensor, torch.Tensor]:
         """For ``candidates``: per head and cluster ``[H, C]``, the log of the largest
         per-token centroid share and of the largest bound share any query row gives
-        it. Rows are scored ``RANK_ROWS`` at a time, each block's shares kept as logs
+        it. Rows are scored ``ROWS_AT_ONCE`` at a time, each block's shares kept as logs
         and folded into a running maximum while they are in the CPU's cache: whole
         ``[H, R, C]`` softmaxes (1 536 rows of 4 096 clusters: 75 MB each, fresh
         memory a call) took 2.7x as long on an AMX core."""
@@ -355,14 +239,15 @@ class LayerHistory:
         H, R, _ = q.shape
         per_token = torch.full((H, means.shape[2]), -math.inf)
         best = torch.full_like(per_token, -math.inf)
-        rows = min(R, RANK_ROWS)
-        logits = torch.empty(H, rows, means.shape[2])
+        rows = min(R, ROWS_AT_ONCE)
+        logits = (torch.empty(H * rows * means.shape[2]) if scratch is None else
+                  scratch.take("ranking", H * rows * means.shape[2], torch.float32)).view(H, rows, means.shape[2])
         for a in range(0, R, rows):
             block = q[:, a:a + rows]
             out = logits[:, :block.shape[1]]
-            _fold_log_shares(per_token, torch.baddbmm(size_bias, block, means, out=out))
+            fold_log_shares(per_token, torch.baddbmm(size_bias, block, means, out=out))
             signed = torch.cat([block.clamp_min(0), block.clamp_max(0)], -1)                   # [H, r, 2 D]
-            _fold_log_shares(best, torch.baddbmm(dead_bias, signed, bounds, out=out))
+            fold_log_shares(best, torch.baddbmm(dead_bias, signed, bounds, out=out))
         return per_token.sub_(sizes.log()), best
 
     def _ranking_tables(self) -> tuple[torch.Tensor, ...]:

@@ -60,10 +60,11 @@ import torch
 from kvreel.connector import freed_memory
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.retrieval.dre_link import DRELink
-from kvreel.connector.retrieval.history import RequestHistory, Scratch
+from kvreel.connector.retrieval.history import RequestHistory
+from kvreel.connector.retrieval.scoring import Scratch
 from kvreel.connector.retrieval.page_packing import PagePacking
 from kvreel.connector.retrieval.selection import choose_blocks, choose_tokens_in_groups, kept_tokens, narrows
-from kvreel.connector.retrieval.working_set import WorkingSet
+from kvreel.connector.retrieval.working_set import SlotBuffers, WorkingSet
 from kvreel.connector.stats import KVReelStats, register_stats_source
 from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
 
@@ -92,8 +93,7 @@ class RetrievalRuntime:
         self.rows: dict[int, str] = {}            # this step: block id of a row's newest token -> request
         self.step_memo: dict[int, tuple[object, dict]] = {}     # what a step's layers share (the backend's)
         self.working: dict[tuple[str, int], WorkingSet] = {}
-        self.buffers: dict[int, torch.Tensor] = {}     # layer -> [slots * slot_pages, H, 2 bs, D]
-        self.slots: dict[str, int] = {}                 # long request -> its slot in every layer's buffer
+        self.slots: SlotBuffers | None = None      # every layer's working-set buffer, a slot per long request
         self.caches: dict[int, torch.Tensor] = {}  # layer -> the engine's cache [blocks, H, 2 bs, D]
         self.packing: PagePacking | None = None
         self._temporaries = Scratch()     # a step's temporaries: scored keys, scoring passes, grouped pages
@@ -123,6 +123,8 @@ class RetrievalRuntime:
         self.budget_pages = max(2, self.cfg.retrieval_budget_tokens // self.block_size)
         # resident: the window, the blocks not yet confirmed in the history (one step) and the step's own
         self.resident_pages = -(-(self.cfg.retrieval_window + 2 * max_batched_tokens) // self.block_size) + 3
+        self.slots = SlotBuffers(self.num_layers, (self.heads, 2 * self.block_size, self.head_dim), self.dtype,
+                                 self.slot_pages)
 
     def count(self, name: str, value: float = 1, label: str | None = None) -> None:
         with self._stats_lock:
@@ -144,37 +146,14 @@ class RetrievalRuntime:
         return self.budget_pages + self.resident_pages
 
     def buffer(self, layer: int) -> torch.Tensor:
-        return self.buffers[layer]
-
-    def _slot(self, req_id: str) -> int:
-        """The request's slot in the layers' working-set buffers (grown when all are taken)."""
-        slot = self.slots.get(req_id)
-        if slot is None:
-            taken = set(self.slots.values())
-            slot = next(i for i in range(len(taken) + 1) if i not in taken)
-            self.slots[req_id] = slot
-            need = (slot + 1) * self.slot_pages
-            for layer in range(self.num_layers):
-                old = self.buffers.get(layer)
-                if old is None or old.shape[0] < need:
-                    grown = torch.empty(max(need, 2 * (0 if old is None else old.shape[0])), self.heads,
-                                        2 * self.block_size, self.head_dim, dtype=self.dtype)
-                    if old is not None:
-                        grown[:old.shape[0]] = old
-                    self.buffers[layer] = grown
-                    for (req, lay), ws in self.working.items():     # views of the old buffer move over
-                        if lay == layer:
-                            ws.buffer = self._slot_view(layer, ws.slot)
-        return slot
-
-    def _slot_view(self, layer: int, slot: int) -> torch.Tensor:
-        return self.buffers[layer][slot * self.slot_pages:(slot + 1) * self.slot_pages]
+        return self.slots.buffers[layer]
 
     def drop(self, req_id: str) -> None:
         hist = self.histories.pop(req_id, None)
         if hist is not None:
             freed_memory.freed(hist.reserved_bytes)
-        self.slots.pop(req_id, None)
+        if self.slots is not None:
+            self.slots.release(req_id)
         for layer in range(getattr(self, "num_layers", 0)):
             self.working.pop((req_id, layer), None)
             self.dre.drop(req_id, layer)
@@ -253,8 +232,8 @@ class RetrievalRuntime:
         hist = self.histories[req_id]
         ws = self.working.get((req_id, layer))
         if ws is None:
-            slot = self._slot(req_id)
-            ws = self.working[(req_id, layer)] = WorkingSet(self._slot_view(layer, slot), slot, self.heads,
+            slot = self.slots.slot(req_id, self.working)
+            ws = self.working[(req_id, layer)] = WorkingSet(self.slots.view(layer, slot), slot, self.heads,
                                                              self.budget_pages * self.block_size)
         if self.exact_for(hist):
             ws.hold_in_order(hist.layers[layer])
@@ -321,7 +300,7 @@ class RetrievalRuntime:
         return {"history": sum(h.nbytes for h in self.histories.values()),
                 "history_reserved": sum(h.reserved_bytes for h in self.histories.values()),
                 "dre_tables": self.dre.table_bytes(),
-                "working_sets": sum(b.nbytes for b in self.buffers.values()),
+                "working_sets": self.slots.nbytes if self.slots is not None else 0,
                 "temporaries": self._temporaries.nbytes}
 
     def scratch(self, pages: int) -> torch.Tensor:

@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory, Scratch, block_tokens, rows_of, scoring_dtype
+from kvreel.connector.retrieval.history import LayerHistory
+from kvreel.connector.retrieval.scoring import ROWS_AT_ONCE, Scratch, block_tokens, rows_of, scoring_dtype
 
-ROWS_AT_ONCE = 32            # query rows scored together
 
 
 def select_tokens(queries: torch.Tensor, keys: torch.Tensor, alpha: float, count: int, unit: int) -> torch.Tensor:
@@ -182,7 +182,7 @@ def choose_tokens_in_groups(lh: LayerHistory, queries: torch.Tensor, group_rows:
             scored = block_tokens(blocks, bs)
             keys = lh.block_keys(blocks)
         else:
-            scored = lh.candidates(queries, candidates * count)
+            scored = lh.candidates(queries, candidates * count, scratch)
             keys = rows_of(lh.keys, scored)
         tally_scoring(tally, history, scored.shape[1], "bounds" if narrowing == "pages" else "clusters")
         chosen = [scored.gather(1, c) for c in select_in_groups(queries, keys, alpha, count, bs, group_rows,

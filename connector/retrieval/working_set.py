@@ -9,7 +9,51 @@ from __future__ import annotations
 
 import torch
 
-from kvreel.connector.retrieval.history import LayerHistory, block_tokens
+from kvreel.connector.retrieval.history import LayerHistory
+from kvreel.connector.retrieval.scoring import block_tokens
+
+
+class SlotBuffers:
+    """Every layer's working-set buffer ``[slots x slot_pages, H, 2 bs, D]``: one
+    slot per long request, the same in every layer; all of them grow (doubling)
+    when every slot is taken, and the working sets' views move over."""
+
+    def __init__(self, layers: int, page_shape: tuple[int, ...], dtype: torch.dtype, slot_pages: int):
+        self.layers, self.page_shape, self.dtype, self.slot_pages = layers, page_shape, dtype, slot_pages
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._slots: dict[str, int] = {}
+
+    def slot(self, req_id: str, working: dict[tuple[str, int], "WorkingSet"]) -> int:
+        """The request's slot (a new one taken, and the buffers grown, when it has
+        none); ``working``: every (request, layer)'s working set, re-viewed on growth."""
+        slot = self._slots.get(req_id)
+        if slot is None:
+            taken = set(self._slots.values())
+            slot = next(i for i in range(len(taken) + 1) if i not in taken)
+            self._slots[req_id] = slot
+            need = (slot + 1) * self.slot_pages
+            for layer in range(self.layers):
+                old = self.buffers.get(layer)
+                if old is None or old.shape[0] < need:
+                    grown = torch.empty(max(need, 2 * (0 if old is None else old.shape[0])), *self.page_shape,
+                                        dtype=self.dtype)
+                    if old is not None:
+                        grown[:old.shape[0]] = old
+                    self.buffers[layer] = grown
+                    for (_, lay), ws in working.items():
+                        if lay == layer:
+                            ws.buffer = self.view(layer, ws.slot)
+        return slot
+
+    def view(self, layer: int, slot: int) -> torch.Tensor:
+        return self.buffers[layer][slot * self.slot_pages:(slot + 1) * self.slot_pages]
+
+    def release(self, req_id: str) -> None:
+        self._slots.pop(req_id, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
 
 
 class WorkingSet:

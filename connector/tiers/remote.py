@@ -6,12 +6,12 @@ of the forms and their sizes and one 36-byte pointer per block (chunk key +
 row), so a prefix lookup is one MGET however the chunks were cut. Keys come
 from ``kvreel.codec.formats.StoreKeys``.
 
-Scheduler side: ``RemoteLookups`` runs lookups on a thread so the scheduler
-never waits on the network (vLLM is told "ask again next step" meanwhile).
-Worker side: ``RemoteTier`` uploads write-behind (bounded queues, never blocking
+This is the worker half; the scheduler half,
+``kvreel.scheduler.remote_lookups``, finds which leading blocks of a request the
+store holds. ``RemoteTier`` uploads write-behind (bounded queues, never blocking
 the forward pass; the byte forms and pointers first, the video forms after;
 drained on clean shutdown) and hands stored bytes to the fetch controller
-(``kvreel.scheduler.fetch_controller``), which decodes them.
+(``kvreel.connector.worker_side.fetch.controller``), which decodes them.
 """
 
 from __future__ import annotations
@@ -19,121 +19,16 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import struct
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from kvreel.codec.formats import RAW, VIDEO_FORM, ChunkUnavailable, StoreKeys, form_kind
+from kvreel.codec.formats import BLOCK_POINTER, RAW, VIDEO_FORM, ChunkUnavailable, StoreKeys, form_kind
 from kvreel.codec.forms import StoredForms
 from kvreel.connector.tiers import ChunkTier, Tier, wait_for_queues, yield_to_the_engine
-from kvreel.connector.tiers.store import RemoteError, delete_quietly, open_store
+from kvreel.connector.tiers.store import RemoteError, ThrottledWarning, delete_quietly, open_store
 
 logger = logging.getLogger(__name__)
-_POINTER = struct.Struct("<32sI")
-
-
-class _Throttled:
-    """Log a recurring failure at most once per ``every`` seconds."""
-
-    def __init__(self, every: float = 30.0):
-        self.every, self.last = every, 0.0
-
-    def warn(self, msg, *args):
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
-            logger.warning(msg, *args)
-
-
-class RemoteLookups:
-    """Scheduler side: which leading blocks of a request the store holds.
-
-    A lookup runs on a thread; the scheduler waits for answers at most
-    ``wait_s`` per step (all requests together), so a store that answers in
-    time costs a new request no scheduler step, and a slow or dead one costs a
-    step at most that. After a wait that ran out, nothing is waited for until a
-    lookup answers within ``wait_s`` again."""
-
-    def __init__(self, url: str, identity: str, timeout_s: float, wait_s: float = 0.0):
-        self.keys = StoreKeys(identity)
-        self.store = open_store(url, timeout_s=timeout_s)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvreel-remote-lookup")
-        self._pending: dict[str, tuple[tuple[bytes, ...], Future]] = {}
-        self._log = _Throttled()
-        self.errors = 0
-        self.wait_s = wait_s
-        self._step_left = wait_s
-        self._in_time = True           # the last lookup answered within wait_s
-
-    def new_step(self) -> None:
-        """A scheduler step begins: its waiting budget is whole again."""
-        self._step_left = self.wait_s
-
-    def poll(self, req_id: str, hashes: list[bytes]) -> list[tuple[bytes, int]] | None:
-        """Pointers (chunk key, row) of the longest run of ``hashes`` held remotely,
-        or None while the lookup is in flight. A failed lookup is an empty run.
-
-        The answer always belongs to exactly these ``hashes``: when the request
-        asks about other blocks than the lookup in flight (its local hit grew,
-        it was preempted and resumed), the stale lookup is dropped and a new one
-        starts, so pointers can never be applied to the wrong blocks."""
-        wanted = tuple(hashes)
-        pending = self._pending.get(req_id)
-        if pending is None or pending[0] != wanted:
-            pending = self._pending[req_id] = (wanted, self._pool.submit(self._timed_lookup, list(wanted)))
-        fut = pending[1]
-        if not fut.done() and self._in_time and self._step_left > 0:
-            budget = self._step_left
-            t0 = time.monotonic()
-            wait([fut], timeout=budget)
-            self._step_left -= time.monotonic() - t0
-            if not fut.done() and budget >= self.wait_s:
-                self._in_time = False            # a whole wait ran out: the store is slow
-        if not fut.done():
-            return None
-        del self._pending[req_id]
-        try:
-            return fut.result()
-        except (RemoteError, ValueError) as e:
-            self.errors += 1
-            self._log.warn("kvreel: remote lookup failed (%s); serving from local tiers / recompute", e)
-            return []
-
-    def _timed_lookup(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
-        t0 = time.monotonic()
-        try:
-            return self._lookup(hashes)
-        finally:
-            if time.monotonic() - t0 <= self.wait_s:
-                self._in_time = True
-
-    def _lookup(self, hashes: list[bytes]) -> list[tuple[bytes, int]]:
-        if not hashes:
-            return []
-        values = self.store.get_many([self.keys.block(h) for h in hashes])
-        out = []
-        for v in values:
-            if v is None or len(v) != _POINTER.size:
-                break
-            out.append(_POINTER.unpack(v))
-        # pointers can outlive their chunk (store eviction, a deleted damaged chunk):
-        # the run ends at the first block whose chunk is gone
-        chunks = list(dict.fromkeys(k for k, _ in out))
-        present = dict(zip(chunks, self.store.exists([self.keys.chunk(k) for k in chunks])))
-        for i, (k, _) in enumerate(out):
-            if not present[k]:
-                return out[:i]
-        return out
-
-    def forget(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.store.close()
 
 
 class RemoteTier(ChunkTier):
@@ -158,7 +53,7 @@ class RemoteTier(ChunkTier):
         names = forms.names()
         self._byte_forms = [n for n in names if form_kind(n) != VIDEO_FORM]
         self._video_forms = [n for n in names if form_kind(n) == VIDEO_FORM]
-        self._log = _Throttled()
+        self._log = ThrottledWarning(logger)
         self._lock = threading.Lock()                # the uploaders add, the metrics take
         self._failed_keys: set[bytes] = set()
         self._encode_seconds: dict[str, float] = {}
@@ -213,7 +108,7 @@ class RemoteTier(ChunkTier):
         sizes = {f: len(v) for f, v in stored.items()}
         self._put_manifest(key, sizes, payload)
         # pointers after the chunk: a reader never sees a pointer to a missing chunk
-        self.store.put_many({self.keys.block(h): _POINTER.pack(key, row) for row, h in enumerate(hashes)})
+        self.store.put_many({self.keys.block(h): BLOCK_POINTER.pack(key, row) for row, h in enumerate(hashes)})
         if self._video_forms:
             try:
                 self._video_queue.put_nowait((key, hashes, payload, sizes))

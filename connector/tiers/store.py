@@ -16,6 +16,7 @@ unpickled. Every value is size-limited both ways.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -42,6 +43,19 @@ class RemoteStore(Protocol):
     def put_many(self, items: dict[str, bytes]) -> None: ...
     def delete(self, key: str) -> None: ...
     def close(self) -> None: ...
+
+
+class ThrottledWarning:
+    """Log a recurring failure at most once per ``every`` seconds."""
+
+    def __init__(self, logger: logging.Logger, every: float = 30.0):
+        self.logger, self.every, self.last = logger, every, 0.0
+
+    def warn(self, msg, *args):
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            self.logger.warning(msg, *args)
 
 
 def delete_quietly(store: "RemoteStore", key: str) -> None:

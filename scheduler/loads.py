@@ -5,10 +5,9 @@ the load is done; disk chunks promoted back into host memory on the way."""
 
 from __future__ import annotations
 
-from kvreel.connector.block_copy import GroupBlockIds
-from kvreel.connector.metadata import HistoryPiece, LoadOp, LoadPiece
-from kvreel.connector.scheduler_side.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
-from kvreel.connector.scheduler_side.requests import PendingLoad, RequestState
+from kvreel.connector.metadata import GroupBlockIds, HistoryPiece, LoadOp, LoadPiece
+from kvreel.scheduler.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
+from kvreel.scheduler.requests import PendingLoad, RequestState
 from kvreel.connector.tiers import Tier
 
 

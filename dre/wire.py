@@ -202,6 +202,22 @@ def recv_msg(sock: socket.socket, max_blob: int = MAX_TENSOR_BYTES) -> tuple[dic
     return msg, _recv_exact(sock, nblob) if nblob else b""
 
 
+SECRET_MIN_HEX = 32          # a shared secret's least length in hex digits (16 bytes)
+
+
+def parse_secret_hex(text: str | None) -> bytes | None:
+    """The shared secret ``KVREEL_DRE_SECRET_HEX`` names (None: unset); ValueError
+    unless it is an even number of hex digits, at least ``SECRET_MIN_HEX``."""
+    if not text:
+        return None
+    if len(text) < SECRET_MIN_HEX:
+        raise ValueError(f"needs at least {SECRET_MIN_HEX} hex digits, got {len(text)}")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError("is not an even number of hex digits") from None
+
+
 def proof(secret: bytes, nonce: str) -> str:
     return hmac.new(secret, nonce.encode(), "sha256").hexdigest()
 

@@ -5,9 +5,9 @@ each history token with its cluster, and the worker rebuilds the history's
 slabs in cluster order with those labels; every step's selection is made in
 the worker from the step's own queries (``kvreel.connector.retrieval.runtime``).
 
-The wire (``dre_wire``): length-prefixed JSON frames with their tensors in
+The wire (``wire``): length-prefixed JSON frames with their tensors in
 shared memory or inline, never pickled, a shared-secret handshake; the
-client and the child process a worker starts are in ``dre_client``.
+client and the child process a worker starts are in ``client``.
 
 Requests (each answered once, in any order, matched by ``id``), one table per
 ``handle`` (a request's layer, all its KV heads):
@@ -43,11 +43,10 @@ import sys
 
 import torch
 
-from kvreel.connector.retrieval.dre_wire import (MAX_TENSOR_BYTES, DREError, decode_tensors,
-                                                 discard_orphaned_segments, encode_tensors, ipc_namespace, is_private,
-                                                 listen, proof, recv_msg, send_msg)
-from kvreel.connector.retrieval.mosaic import MosaicSession
-from kvreel.connector.retrieval.resv import HASH_BITS, Clusters, cluster_keys, extend_clusters, hyperplanes
+from kvreel.dre.mosaic import MosaicSession
+from kvreel.dre.resv import HASH_BITS, Clusters, cluster_keys, extend_clusters, hyperplanes
+from kvreel.dre.wire import (MAX_TENSOR_BYTES, DREError, decode_tensors, discard_orphaned_segments, encode_tensors,
+                             ipc_namespace, is_private, listen, parse_secret_hex, proof, recv_msg, send_msg)
 
 logger = logging.getLogger(__name__)
 
@@ -229,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     if a.nice:
         os.nice(a.nice)
-    hex_secret = os.environ.get("KVREEL_DRE_SECRET_HEX")
-    secret = bytes.fromhex(hex_secret) if hex_secret else None
+    try:
+        secret = parse_secret_hex(os.environ.get("KVREEL_DRE_SECRET_HEX"))
+    except ValueError as e:
+        print(f"kvreel dre: KVREEL_DRE_SECRET_HEX {e}", file=sys.stderr)
+        return 2
     try:
         DREService(a.bits, a.hamming, secret).serve(a.address, a.parent_pid)
     except DREError as e:

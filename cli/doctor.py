@@ -111,8 +111,8 @@ def _retrieval_status(cfg) -> tuple[str, bool]:
             f"alpha {cfg.retrieval_alpha} (vLLM's CPU backend)")
     if not cfg.dre_address:
         return f"{what}; DRE started by each worker", True
-    from kvreel.connector.retrieval.dre_client import DREClient
-    from kvreel.connector.retrieval.dre_wire import DREError
+    from kvreel.dre.client import DREClient
+    from kvreel.dre.wire import DREError
     try:
         client = DREClient(cfg.dre_address, bytes.fromhex(cfg.dre_secret_hex) if cfg.dre_secret_hex else None)
         client.submit("ping").result(5)

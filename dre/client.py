@@ -12,10 +12,10 @@ import threading
 import time
 from concurrent.futures import Future
 
-from kvreel.connector.retrieval.dre_wire import (DREError, connect, decode_tensors, discard_orphaned_segments,
-                                                 discard_segments, encode_tensors, ipc_namespace, proof, recv_msg,
-                                                 segment_names, send_msg)
-from kvreel.connector.retrieval.resv import HASH_BITS
+from kvreel.dre.wire import (DREError, connect, decode_tensors, discard_orphaned_segments,
+                             discard_segments, encode_tensors, ipc_namespace, proof, recv_msg,
+                             segment_names, send_msg)
+from kvreel.dre.resv import HASH_BITS
 
 
 class DREClient:
@@ -101,7 +101,7 @@ class DREProcess:
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
         if self.secret:
             env["KVREEL_DRE_SECRET_HEX"] = self.secret.hex()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvreel.connector.retrieval.dre_service",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvreel.dre.service",
                                       "--address", self.address, "--bits", str(self.bits),
                                       "--hamming", str(self.hamming), "--parent-pid", str(os.getpid()),
                                       # beside the engine on its cores: one thread, and it yields to the

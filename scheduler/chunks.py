@@ -9,20 +9,23 @@ hashes, so a chunk's key names the whole prefix up to it. Every block maps to
 (chunk, row), so any prefix of a held chunk is reusable: reuse is at block
 granularity.
 
-Eviction: LRU, or with workflow hints (``KVREEL_EVICTION=workflow``) the chunks
-whose agents run furthest in the future first, LRU among equals."""
+Eviction: each tier's budget asks its policy (``kvreel.scheduler.eviction``: LRU,
+or with workflow hints the chunks whose agents run furthest in the future
+first). The budgets and the step's stores and deletions change only through
+``ChunkStore``'s methods."""
 
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import StoreOp
-from kvreel.connector.scheduler_side.events import TierEvents
+from kvreel.scheduler.events import TierEvents
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
+from kvreel.scheduler.eviction import EvictionPolicy, LRUPolicy
 
 HOST, DISK, REMOTE = Tier.HOST, Tier.DISK, Tier.REMOTE
 MAX_USERS = 64          # (workflow, agent) pairs remembered per chunk
@@ -55,38 +58,32 @@ class BlockRef(NamedTuple):
 
 
 class TierBudget:
-    """Byte budget of one local tier: LRU order, or with ``steps`` (chunk ->
-    steps until it is needed, workflow eviction) the furthest chunks first and
-    LRU among equals."""
+    """Byte budget of one local tier: its chunks in LRU order and the bytes they
+    (and anything charged to the tier) take; ``policy`` orders evictions (LRU
+    when none is given). Only its owner, ``ChunkStore``, changes it."""
 
-    def __init__(self, tier: Tier, capacity: int, steps: Callable[[Chunk], float] | None = None):
+    def __init__(self, tier: Tier, capacity: int, policy: EvictionPolicy | None = None):
         self.tier = tier
         self.capacity = capacity
         self.used = 0
         self.lru: OrderedDict[bytes, Chunk] = OrderedDict()
-        self.steps = steps
+        self.policy = policy or LRUPolicy()
 
     def touch(self, chunk: Chunk) -> None:
         if chunk.key in self.lru:
             self.lru.move_to_end(chunk.key)
 
     def victims_for(self, nbytes: int, nearest: float = 0, strictly: bool = False) -> list[Chunk] | None:
-        """Unpinned chunks whose removal frees ``nbytes``, in eviction order;
-        None if impossible. With workflow eviction only chunks needed no sooner
-        than ``nearest`` steps (later than it, if ``strictly``) may go."""
+        """Unpinned chunks whose removal frees ``nbytes``, in the policy's order;
+        None if impossible. A ranking policy lets only chunks needed no sooner
+        than ``nearest`` steps (later than it, if ``strictly``) go."""
         if nbytes > self.capacity:
             return None
         need = self.used + nbytes - self.capacity
         if need <= 0:
             return []
-        candidates = (c for c in self.lru.values() if c.pins == 0)
-        if self.steps is not None:
-            # one pass over the tier per eviction; a stable sort keeps LRU order among equals
-            ranked = [(self.steps(c), c) for c in candidates]
-            candidates = (c for d, c in sorted(ranked, key=lambda x: -x[0])
-                          if d > nearest or (d == nearest and not strictly))
         out = []
-        for chunk in candidates:
+        for chunk in self.policy.order((c for c in self.lru.values() if c.pins == 0), nearest, strictly):
             if need <= 0:
                 break
             out.append(chunk)
@@ -107,14 +104,15 @@ class ChunkStore:
     them for the workers: chunks to store (``stores``) and to delete
     (``evictions``); with ``events``, every copy gained or lost is a KV event."""
 
-    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, steps: Callable[[Chunk], float] | None = None,
+    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, policy: EvictionPolicy | None = None,
                  events: TierEvents | None = None):
         self.stats = stats
         self.events = events
         self.index: dict[bytes, BlockRef] = {}
-        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, steps)}
+        self.policy = policy or LRUPolicy()
+        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, self.policy)}
         if cfg.disk_dir:
-            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, steps)
+            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, self.policy)
         self.stores: dict[bytes, StoreOp] = {}
         self.evictions: dict[Tier, list[bytes]] = {}
 
@@ -127,6 +125,11 @@ class ChunkStore:
         stores, evictions = [op for op in self.stores.values() if op.tiers], self.evictions
         self.stores, self.evictions = {}, {}
         return stores, evictions
+
+    def plan_store(self, op: StoreOp) -> None:
+        """``op``'s chunk is to be written this step; set before admitting it, so
+        an eviction on the way drops a tier from ``op`` instead of deleting."""
+        self.stores[op.key] = op
 
     def add(self, chunk: Chunk) -> None:
         """Index every block of ``chunk``."""
@@ -141,12 +144,16 @@ class ChunkStore:
     def indexed(self, chunk: Chunk) -> bool:
         return self.holder(chunk.block_hashes[-1]) is chunk
 
-    def admit(self, chunk: Chunk, tier: Tier, present: bool = True) -> bool:
+    def admit(self, chunk: Chunk, tier: Tier, present: bool = True, nearest: float | None = None,
+              strictly: bool = False) -> bool:
         """Make room (evicting in the tier's order) and account ``chunk`` in a local
         tier; ``present=False`` reserves the room for a copy still on its way (a
-        promotion), which lookups may use once it has landed."""
+        promotion, a prefetch), which lookups may use once it has landed. Only
+        chunks needed no sooner than ``nearest`` steps (the chunk's own need by
+        default; later, if ``strictly``) may make room."""
         budget = self.budgets[tier]
-        victims = budget.victims_for(chunk.nbytes, budget.steps(chunk) if budget.steps else 0)
+        nearest = budget.policy.need(chunk) if nearest is None else nearest
+        victims = budget.victims_for(chunk.nbytes, nearest, strictly)
         if victims is None:
             return False
         for victim in victims:
@@ -162,6 +169,17 @@ class ChunkStore:
             chunk.tiers.add(tier)
             if self.events is not None:
                 self.events.stored(chunk, tier)
+
+    def release(self, chunk: Chunk, tier: Tier) -> None:
+        """Give back a reservation whose copy did not land everywhere (a worker
+        may hold it: it is deleted there)."""
+        self.budgets[tier].remove(chunk)
+        self.evictions.setdefault(tier, []).append(chunk.key)
+
+    def charge(self, tier: Tier, nbytes: int) -> None:
+        """Bytes ``tier``'s memory holds besides its chunks (long sessions'
+        histories beside the host tier); negative gives them back."""
+        self.budgets[tier].used += nbytes
 
     def evict(self, chunk: Chunk, tier: Tier) -> None:
         self.drop_copy(chunk, tier)
@@ -217,7 +235,7 @@ class ChunkStore:
     def turn_on(self, tier: Tier, capacity: int) -> None:
         """A tier takes writes again: an empty budget (the disk's files are adopted anew)."""
         if tier not in self.budgets:
-            self.budgets[tier] = TierBudget(tier, capacity, self.host.steps)
+            self.budgets[tier] = TierBudget(tier, capacity, self.policy)
 
     def reset(self) -> None:
         """Forget every unpinned chunk in every tier."""

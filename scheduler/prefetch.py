@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.scheduler_side.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
-from kvreel.connector.scheduler_side.requests import RequestState, prompt_blocks
+from kvreel.scheduler.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
+from kvreel.scheduler.requests import RequestState, prompt_blocks
 from kvreel.connector.tiers import Tier
 from kvreel.scheduler.workflow import FAR, WorkflowTracker
 
@@ -66,12 +66,8 @@ class Prefetcher:
                     continue
                 if self._bytes + chunk.nbytes > self.cfg.prefetch_bytes:
                     return out
-                victims = host.victims_for(chunk.nbytes, nearest=steps, strictly=True)
-                if victims is None:
+                if not self.store.admit(chunk, HOST, present=False, nearest=steps, strictly=True):
                     return out                       # host memory holds only nearer chunks
-                for victim in victims:
-                    self.store.evict(victim, HOST)
-                host.add(chunk)                      # reserved; present once every worker has it
                 chunk.pins += 1
                 self._in_flight[key] = chunk
                 self._bytes += chunk.nbytes
@@ -98,8 +94,7 @@ class Prefetcher:
             chunk.prefetched = True
             store.add(chunk)                         # a chunk fetched back from the remote store
         else:
-            store.host.remove(chunk)
-            store.evictions.setdefault(HOST, []).append(key)   # a worker may hold it
+            store.release(chunk, HOST)
             if not ok:
                 store.stats.add("prefetches", label="failed")
                 for user in chunk.users:                  # not asked for again

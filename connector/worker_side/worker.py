@@ -5,23 +5,22 @@ reports what failed."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from kvreel.codec.formats import ChunkError, ChunkUnavailable
-from kvreel.connector.block_copy import PagedRegions
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import ChunkTier, Tier
 from kvreel.connector.tiers.disk import DiskTier
 from kvreel.connector.tiers.host import HostTier
-from kvreel.connector.worker_reports import WorkerReports
+from kvreel.connector.worker_side.block_copy import PagedRegions
+from kvreel.connector.worker_side.remote_reads import RemoteRestore, WholeChunk
+from kvreel.connector.worker_side.reports import WorkerReports
+from kvreel.connector.worker_side.saves import PageSaver
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +42,13 @@ class KVReelWorker:
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-prefetch")
         self.reports = WorkerReports()
         self.retrieval = None           # the retrieval runtime (KVREEL_RETRIEVAL), imported only when on
-        # on a CPU engine a step's saves copy on a thread of their own, beside the model's cores,
-        # while the next step runs (until it writes their blocks: before_writes)
-        self._saver: ThreadPoolExecutor | None = None
-        self._saving: list[_SaveJob] = []
+        self.saver: PageSaver | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config,
                            max_batched_tokens: int) -> None:
         self.pages = PagedRegions(kv_caches, kv_cache_config)
-        if not self.pages.is_cuda and self.cfg.save_copy == "thread":   # CUDA: on a side stream (block_copy)
-            self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvreel-save",
-                                             initializer=run_beside_the_model)
+        self.saver = PageSaver(self.pages, self.tiers, self.reports,
+                               on_thread=not self.pages.is_cuda and self.cfg.save_copy == "thread")
         if self.cfg.retrieval != "off":
             from kvreel.connector.retrieval.runtime import RetrievalRuntime
             self.retrieval = RetrievalRuntime.get(self.cfg)
@@ -67,32 +62,9 @@ class KVReelWorker:
             self.add_tier(DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
                                     description=self.description))
         if self.cfg.remote_url:
-            self._start_remote(kv_cache_config)
-
-    def _start_remote(self, kv_cache_config) -> None:
-        from kvreel.codec.forms import KVView, StoredForms
-        from kvreel.connector.tiers.remote import RemoteTier
-        from kvreel.scheduler.decode_profile import DecodeProfile, synthetic_payload
-        from kvreel.scheduler.fetch_controller import FetchController
-        cfg, pages = self.cfg, self.pages
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        kv_view = KVView(pages.block_bytes, spec) if "video" in cfg.remote_forms else None
-        # each rank holds its own shard of the KV: one namespace per rank
-        ident = self.identity if self.rank == 0 else f"{self.identity}-r{self.rank}"
-        forms = StoredForms(ident, kinds=cfg.remote_forms, quant=cfg.remote_quant,
-                            resolutions=cfg.remote_resolutions, kv_view=kv_view)
-        forms.device = pages.device
-        remote = RemoteTier(cfg.remote_url, forms, cfg.remote_timeout_s, cfg.remote_write_queue)
-        self.add_tier(remote)
-        chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
-        device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
-        profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
-        fixed = None if cfg.fetch_form == "auto" else cfg.fetch_form
-        self.fetcher = FetchController(remote, profile, streams=cfg.fetch_streams, policy=cfg.fetch_policy,
-                                       fixed_form=fixed, device=pages.device)
-        payload = synthetic_payload(torch.Size(chunk_shape))
-        threading.Thread(target=profile.measure, name="kvreel-decode-profile", daemon=True, args=(
-            forms.names(), lambda: forms.encode([bytes(32)] * chunk_shape[1], payload), forms.decode)).start()
+            from kvreel.connector.worker_side.remote_reads import start_remote
+            remote, self.fetcher = start_remote(self.cfg, self.identity, self.rank, self.pages, kv_cache_config)
+            self.add_tier(remote)
 
     # -- loads ---------------------------------------------------------------
     def bind(self, meta: KVReelMetadata) -> None:
@@ -101,8 +73,8 @@ class KVReelWorker:
             self.retrieval.begin_step(meta.history.rows, meta.history.dropped)
 
     def start_load_kv(self, meta: KVReelMetadata) -> None:
-        self.before_writes(meta)
-        self._saved_before_reads(meta)
+        self.saver.before_writes(meta)
+        self.saver.before_reads(meta)
         for tier, keys in meta.evictions.items():
             if tier in self.tiers:
                 for key in keys:
@@ -137,7 +109,7 @@ class KVReelWorker:
     def _fetch_whole(self, key: bytes) -> torch.Tensor:
         """A remote chunk's verified payload, through the fetch controller like
         every remote read (its form choice, streams and fairness)."""
-        sink = _WholeChunk(self.reports)
+        sink = WholeChunk(self.reports)
         self.fetcher.fetch(f"prefetch-{key.hex()[:16]}", [key], sink)
         return sink.payload()
 
@@ -161,9 +133,9 @@ class KVReelWorker:
                 if tier is None:
                     raise ChunkUnavailable(f"the {piece.tier.value} tier is disabled")
                 data = tier.get(piece.key)
-                self._check_fits(data, piece)
+                self.check_fits(data, piece)
                 self.pages.scatter(data, piece.block_ids, piece.row_slice)
-                self._restored(piece, data, t0)
+                self.restored(piece, data, t0)
             except ChunkError as e:
                 self.reports.failed(op.req_id, piece, e)
         if remote:
@@ -172,7 +144,7 @@ class KVReelWorker:
                     self.reports.failed(op.req_id, piece,
                                         ChunkUnavailable("remote tier is not configured on this worker"))
             else:
-                self.fetcher.fetch(op.req_id, [p.key for p in remote], _RemoteRestore(self, op.req_id, remote))
+                self.fetcher.fetch(op.req_id, [p.key for p in remote], RemoteRestore(self, op.req_id, remote))
 
     def _load_history(self, req_id: str, piece: HistoryPiece) -> None:
         """Blocks of an admitted long prefix, from a local tier into the request's history."""
@@ -188,73 +160,18 @@ class KVReelWorker:
         self.retrieval.add_history(req_id, piece.first_block, [self.retrieval.as_pages(r) for r in rows])
         self.reports.loaded(piece.tier, piece.n * self.pages.bytes_per_block, t0)
 
-    def _check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
+    def check_fits(self, data: torch.Tensor, piece: LoadPiece, first_region: int = 0, whole: bool = True) -> None:
         """``data`` (regions from ``first_region`` on; all of them if ``whole``) fits the piece's pages."""
         regions = len(self.pages.regions)
         if data.dim() != 3 or data.shape[2] != self.pages.block_bytes or data.shape[1] < piece.row_slice.stop \
                 or (first_region + data.shape[0] != regions if whole else first_region + data.shape[0] > regions):
             raise ChunkError(f"chunk shape {tuple(data.shape)} does not fit this engine's pages")
 
-    def _restored(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
+    def restored(self, piece: LoadPiece, data: torch.Tensor, t0: float) -> None:
         """Book a chunk whose blocks now hold its KV (and keep it in the host tier if planned)."""
         if piece.promote_to_host:
             self.tiers[Tier.HOST].put(piece.key, [], data)
         self.reports.loaded(piece.tier, piece.rows * self.pages.bytes_per_block, t0)
-
-    # -- saves ---------------------------------------------------------------
-    def wait_for_save(self, meta: KVReelMetadata) -> None:
-        """Store the step's chunks: at once on CUDA; on a CPU engine on the save
-        thread, while vLLM goes on to the next step."""
-        assert self.pages is not None
-        if self.retrieval is not None and meta.history is not None:
-            for op in meta.history.appends:
-                self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks,
-                                              op.most_blocks, op.reach_blocks)
-        if not meta.stores:
-            return
-        if self._saver is None:
-            self._save(meta.stores)
-            return
-        blocks = {b for op in meta.stores for ids in op.block_ids for b in ids}
-        self._wait_for(lambda job: job.future.done())          # forget those done (raising their bugs)
-        self._saving.append(_SaveJob(blocks, {op.key for op in meta.stores},
-                                     self._saver.submit(self._save, meta.stores)))
-
-    def _save(self, stores: list) -> None:
-        for op in stores:
-            t0 = time.perf_counter()
-            data = self.pages.gather(op.block_ids)
-            for kind in op.tiers:
-                if (tier := self.tiers.get(kind)) is not None:
-                    tier.put(op.key, op.block_hashes, data)
-            self.reports.count("save_seconds", time.perf_counter() - t0)
-            self.reports.count("save_count")
-
-    def before_writes(self, meta: KVReelMetadata) -> None:
-        """vLLM's ``handle_preemptions``, before a step writes any block: saves
-        still copying blocks this step overwrites (freed and given to another
-        request, zeroed, or loaded into) finish first."""
-        self._wait_for(lambda job: not job.blocks.isdisjoint(meta.written_blocks))
-
-    def _saved_before_reads(self, meta: KVReelMetadata) -> None:
-        """Saves of the chunks this step loads, deletes or prefetches are done first
-        (their keys gathered only while a save is pending: most steps have none)."""
-        if not self._saving:
-            return
-        keys = {*(key for keys in meta.evictions.values() for key in keys), *(key for key, _ in meta.prefetches),
-                *(p.key for op in meta.loads for p in [*op.pieces, *op.history])}
-        if keys:
-            self._wait_for(lambda job: not job.keys.isdisjoint(keys))
-
-    def _wait_for(self, needed) -> None:
-        """Wait for the pending saves ``needed`` names (re-raising a bug in one, never swallowing it)."""
-        pending = []
-        for job in self._saving:
-            if needed(job):
-                job.future.result()
-            else:
-                pending.append(job)
-        self._saving = pending
 
     # -- reporting -------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -284,9 +201,21 @@ class KVReelWorker:
     def take_stats(self) -> KVReelStats | None:
         return self.reports.take_stats(self.every_tier)
 
+    def wait_for_save(self, meta: KVReelMetadata) -> None:
+        """Grow the step's long-session histories and store its chunks (``PageSaver``)."""
+        assert self.pages is not None
+        if self.retrieval is not None and meta.history is not None:
+            for op in meta.history.appends:
+                self.retrieval.append_history(op.req_id, op.first_block, op.block_ids, op.room_blocks,
+                                              op.most_blocks, op.reach_blocks)
+        self.saver.save(meta.stores)
+
+    def before_writes(self, meta: KVReelMetadata) -> None:
+        self.saver.before_writes(meta)
+
     def shutdown(self) -> None:
-        if self._saver is not None:
-            self._saver.shutdown(wait=True)
+        if self.saver is not None:
+            self.saver.shutdown()
         for fut in list(self._async.values()):
             fut.result(timeout=60)
         self._loader.shutdown(wait=True)
@@ -295,79 +224,3 @@ class KVReelWorker:
             self.fetcher.close()
         for tier in self.every_tier.values():
             tier.close()
-
-
-@dataclass
-class _SaveJob:
-    """One step's stores on the save thread: the blocks they read, their chunks' keys."""
-    blocks: set[int]
-    keys: set[bytes]
-    future: Future
-
-
-def run_beside_the_model() -> None:
-    """Move the calling thread off the model's cores. vLLM's CPU worker binds
-    its threads (and so this one, at first) to the cores it computes on, and
-    keeps one core per NUMA node back for a KV connector's transfers (vLLM's
-    ``discover_numa_topology``): the save thread runs there, within the cores
-    the engine may use (its parent's), or anywhere off the model's cores."""
-    from vllm.platforms import current_platform
-    model = os.sched_getaffinity(0)
-    try:
-        allowed = os.sched_getaffinity(os.getppid())
-    except OSError:
-        return
-    kept = {c for node in current_platform.discover_numa_topology() for c in node}
-    cores = (kept & allowed) - model or allowed - model
-    if cores:
-        os.sched_setaffinity(0, cores)      # 0: this thread only
-        logger.debug("kvreel: save thread on cores %s (the model on %s)", sorted(cores), sorted(model))
-
-
-class _RemoteRestore:
-    """Where the fetch controller delivers a request's remote chunks: each
-    verified part is scattered into the piece's blocks as it arrives; each
-    finished chunk is booked, or failed (its blocks are recomputed)."""
-
-    def __init__(self, worker: KVReelWorker, req_id: str, pieces: list[LoadPiece]):
-        self.worker, self.req_id, self.pieces, self.t0 = worker, req_id, pieces, time.perf_counter()
-
-    def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
-        piece = self.pieces[index]
-        self.worker._check_fits(rows, piece, first_region, whole=False)
-        self.worker.pages.scatter(rows, piece.block_ids, piece.row_slice, first_region=first_region)
-
-    def done(self, result) -> None:
-        w, piece = self.worker, self.pieces[result.index]
-        try:
-            _checked(w.reports, result)
-            w._check_fits(result.payload, piece)      # every region arrived through part()
-            w._restored(piece, result.payload, self.t0)
-        except ChunkError as e:
-            w.reports.failed(self.req_id, piece, e)
-
-
-def _checked(reports: WorkerReports, result) -> None:
-    """Count a fetched chunk; raise its error as a ChunkError."""
-    for name, value in (("remote_fetches", 1), ("remote_fetch_bytes", result.wire_bytes),
-                        ("remote_transfer_seconds", result.transmit_s), ("decode_seconds", result.decode_s)):
-        reports.count(name, value, result.form)
-    if result.error is not None:
-        raise result.error if isinstance(result.error, ChunkError) else ChunkUnavailable(str(result.error))
-
-
-class _WholeChunk:
-    """A fetch sink for one whole chunk (a prefetch into the host tier)."""
-
-    def __init__(self, reports: WorkerReports):
-        self.reports, self.result = reports, None
-
-    def part(self, index: int, first_region: int, rows: torch.Tensor) -> None:
-        pass
-
-    def done(self, result) -> None:
-        self.result = result
-
-    def payload(self) -> torch.Tensor:
-        _checked(self.reports, self.result)
-        return self.result.payload

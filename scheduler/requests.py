@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvreel.connector.block_copy import GroupBlockIds
+from kvreel.connector.metadata import GroupBlockIds
 
 
 @dataclass

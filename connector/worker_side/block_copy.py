@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from kvreel.connector.metadata import GroupBlockIds
 from kvreel.connector.vllm_internals import NULL_BLOCK
 
 # Above this many runs of consecutive blocks, a CUDA copy gathers on the device
 # first: many small DMAs are far slower than one kernel plus one large DMA.
 MAX_DMA_RUNS = 8
 
-
-GroupBlockIds = tuple[list[int], ...]
-"""Block ids per KV cache group, position by position (one list per group; with
-vLLM's hybrid KV cache manager a sliding-window group holds NULL_BLOCK where a
-position left its window)."""
 
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from array import array
 
-from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.config import KVReelConfig
-from kvreel.connector.metadata import StoreOp
-from kvreel.connector.scheduler_side.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
-from kvreel.connector.scheduler_side.requests import RequestState, prompt_blocks
+from kvreel.connector.metadata import GroupBlockIds, StoreOp
+from kvreel.scheduler.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
+from kvreel.scheduler.requests import RequestState, prompt_blocks
 from kvreel.connector.vllm_internals import NULL_BLOCK
 
 
@@ -62,7 +61,7 @@ class SavePlanner:
         if user is not None:
             chunk.used_by(user)
         op = StoreOp(chunk.key, block_hashes, block_ids, set())
-        store.stores[chunk.key] = op        # before admitting: an eviction on the way updates it
+        store.plan_store(op)
         if self.cfg.cpu_bytes > 0 and store.admit(chunk, HOST):
             op.tiers.add(HOST)
         if DISK in store.budgets and store.admit(chunk, DISK):

@@ -7,7 +7,7 @@
 * ``prefetch``: chunks of the agents about to run, read into host memory
   ahead (with ``KVREEL_EVICTION=workflow``);
 * ``events``: chunks entering and leaving tiers as vLLM's KV events;
-* the history plan of long sessions (``kvreel.connector.retrieval.history_plan``).
+* the history plan of long sessions (``kvreel.scheduler.history_plan``).
 
 Each step's saves, loads, deletions, history appends and prefetches go to the
 workers in one ``KVReelMetadata``."""
@@ -17,18 +17,18 @@ from __future__ import annotations
 import logging
 
 from kvreel.codec.formats import ChunkError
-from kvreel.connector.block_copy import GroupBlockIds
 from kvreel.connector.config import KVReelConfig, format_bytes
-from kvreel.connector.metadata import KVReelMetadata, KVReelWorkerMeta
-from kvreel.connector.scheduler_side.chunks import DISK, HOST, Chunk, ChunkStore
-from kvreel.connector.scheduler_side.events import TierEvents
-from kvreel.connector.scheduler_side.loads import LoadPlanner
-from kvreel.connector.scheduler_side.prefetch import Prefetcher
-from kvreel.connector.scheduler_side.requests import RequestState
-from kvreel.connector.scheduler_side.saves import SavePlanner
+from kvreel.connector.metadata import GroupBlockIds, KVReelMetadata, KVReelWorkerMeta
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
 from kvreel.connector.tiers.disk import scan_chunk_files
+from kvreel.scheduler.chunks import DISK, HOST, Chunk, ChunkStore
+from kvreel.scheduler.events import TierEvents
+from kvreel.scheduler.eviction import policy_for
+from kvreel.scheduler.loads import LoadPlanner
+from kvreel.scheduler.prefetch import Prefetcher
+from kvreel.scheduler.requests import RequestState
+from kvreel.scheduler.saves import SavePlanner
 from kvreel.scheduler.workflow import WorkflowTracker
 
 logger = logging.getLogger(__name__)
@@ -49,16 +49,16 @@ class KVReelScheduler:
         self.reqs: dict[str, RequestState] = {}
         self.workflows = WorkflowTracker() if cfg.eviction == "workflow" else None
         self.prefetch: Prefetcher | None = None
-        self.store = ChunkStore(cfg, self.stats, self._steps if self.workflows is not None else None,
+        self.store = ChunkStore(cfg, self.stats, policy_for(self._steps if self.workflows is not None else None),
                                 TierEvents(block_size) if kv_events else None)
         self.remote = None
         if cfg.remote_url:
-            from kvreel.connector.tiers.remote import RemoteLookups
+            from kvreel.scheduler.remote_lookups import RemoteLookups
             self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s,
                                         cfg.remote_lookup_wait_ms / 1000)
         self.history = None
         if cfg.retrieval != "off":
-            from kvreel.connector.retrieval.history_plan import HistoryPlanner
+            from kvreel.scheduler.history_plan import HistoryPlanner
             self.history = HistoryPlanner(block_size, cfg.retrieval_window, cfg.retrieval_min_tokens)
         self._history_bytes = 0
         self._history_reported = 0                  # what the workers last said their histories take
@@ -198,7 +198,7 @@ class KVReelScheduler:
                                    "host memory grows past it", format_bytes(want), format_bytes(self.cfg.cpu_bytes))
             for victim in victims:
                 self.store.evict(victim, HOST)
-        self.host.used += grow
+        self.store.charge(HOST, grow)
         self._history_bytes = want
 
     def update_connector_output(self, output) -> None:

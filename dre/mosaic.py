@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvreel.connector.retrieval.history import grown
-from kvreel.connector.retrieval.resv import wicsum
+from kvreel.dre.tensors import grown
+from kvreel.dre.resv import wicsum
 
 
 def cosine_kmeans(x: torch.Tensor, k: int, iters: int = 20, seed: int = 0) -> torch.Tensor:

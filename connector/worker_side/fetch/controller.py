@@ -31,9 +31,9 @@ from typing import Protocol
 import torch
 
 from kvreel.codec.formats import RAW
-from kvreel.scheduler.adaptive import BandwidthEstimator, Candidate, choose
-from kvreel.scheduler.decode_profile import DecodeProfile
-from kvreel.scheduler.decoder_pool import DecoderPool
+from kvreel.connector.worker_side.fetch.adaptive import BandwidthEstimator, Candidate, choose
+from kvreel.connector.worker_side.fetch.decode_profile import DecodeProfile
+from kvreel.connector.worker_side.fetch.decoder_pool import DecoderPool
 
 logger = logging.getLogger(__name__)
 SWITCH_PENALTY_S = 0.002     # a new decoder configuration when the resolution changes
