@@ -101,7 +101,7 @@ def engine_main(args: dict) -> None:
                 and (current is None or current["tokens"] > 0):
             name = names[len(segments) % len(names)]
             if kvreel:
-                rt = RetrievalRuntime._instance
+                rt = RetrievalRuntime.built()
                 base = base or rt.cfg
                 rt.cfg = dataclasses.replace(base, **SETTINGS[name])
             spent.clear()

@@ -72,7 +72,7 @@ def engine_main(args: dict) -> None:
         from kvreel.connector.retrieval.runtime import RetrievalRuntime
         from kvreel.connector.tiers import Tier
         host = get_kv_transfer_group()._worker.every_tier[Tier.HOST]
-        runtime = RetrievalRuntime.instance()
+        runtime = RetrievalRuntime.built()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids),
                            SamplingParams(max_tokens=args["max_tokens"], temperature=0.0))

@@ -43,9 +43,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import save, save_figure  # noqa: E402
 from kv_capture import capture_qkv  # noqa: E402
 
+from cluster_selection import (cluster_scores, frame_scores, mosaic_select, mosaic_select_frame,  # noqa: E402
+                               token_mask, wicsum)
+
 from kvreel.dre.mosaic import MosaicIndex, cosine_kmeans  # noqa: E402
-from kvreel.dre.resv import (cluster_keys, cluster_scores, frame_scores, hyperplanes,  # noqa: E402
-                             wicsum)
+from kvreel.dre.resv import cluster_keys, hyperplanes  # noqa: E402
 
 MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
@@ -62,8 +64,8 @@ def prefetch_hit_rate(index_next: MosaicIndex, queries_this: torch.Tensor, queri
     """Cross-layer prefetch: clusters of layer l+1 predicted from layer l's queries;
     (share of the real layer-(l+1) selection that was prefetched, the clusters the
     completion step must still fetch)."""
-    predicted = index_next.select(queries_this, alpha).any(0)
-    actual = index_next.select(queries_next, alpha).any(0)
+    predicted = mosaic_select(index_next, queries_this, alpha).any(0)
+    actual = mosaic_select(index_next, queries_next, alpha).any(0)
     missed = actual & ~predicted
     hit = float((actual & predicted).sum() / actual.sum().clamp_min(1))
     return hit, torch.nonzero(missed).flatten()
@@ -151,7 +153,7 @@ def methods(q, k, v, always, cand, visual, segment: int, page: int = 16):
         index = MosaicIndex.build(k[idx], frame_of[idx], visual_labels, per_visual)
         for a in ALPHAS:
             m = torch.zeros(R, N, dtype=torch.bool)
-            m[:, idx] = index.token_mask(index.select_frame(q, a).unsqueeze(0), idx.numel())
+            m[:, idx] = token_mask(index, mosaic_select_frame(index, q, a).unsqueeze(0), idx.numel())
             yield f"Mosaic {per_visual}/visual per frame", a, with_always(m)
 
 

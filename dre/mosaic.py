@@ -6,18 +6,15 @@
   centred on the history's mean key (a head's keys share a large offset that
   would swamp cosines), are grouped by cosine k-means; every semantic cluster
   keeps its centroid, size and running distance statistics (the centroid index).
-* Retrieval is two-stage: visual clusters are scored by their mean key, the
-  semantic clusters of the best ones are scored by their centroids, and WiCSum
-  keeps clusters until ``alpha`` of the predicted mass; the strongest cluster
-  of every visual group (global representatives) is always kept, so no part of
-  the session is invisible.
+* Selection: a served step ranks the clusters in the worker with its own
+  queries (``kvreel.connector.retrieval.history``); the paper's two-stage
+  selection (visual groups, then their semantic clusters, WiCSum, a
+  representative per group) is offline analysis in ``bench/cluster_selection.py``.
 * Online: a new token joins its nearest centroid when its distance is within
   the cluster's size-adaptive threshold (mean + k x std of member distances,
   k shrinking as the cluster grows); otherwise it opens a cluster. A cluster
   whose spread grows too large is marked for a split that is applied only when
   the cluster is fetched anyway (its keys are on hand then).
-* Cross-layer prefetch: layer l's queries score layer l+1's centroids to fetch
-  ahead; the completion step fetches what the real layer-(l+1) selection adds.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvreel.dre.tensors import grown
-from kvreel.dre.resv import wicsum
 
 
 def cosine_kmeans(x: torch.Tensor, k: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
@@ -143,7 +139,7 @@ class MosaicIndex:
         """Online insertion of one new token; the cluster id it joined."""
         key = key.float()
         self.tokens += 1
-        cents, visuals = self._table()
+        cents, visuals = self.centroid_table()
         same = torch.nonzero(visuals == visual).flatten()
         if same.numel():
             d = (cents[same] - key).norm(dim=-1)
@@ -166,7 +162,7 @@ class MosaicIndex:
         self._cents[C - 1], self._visuals[C - 1], self._rows = key, visual, C
         return C - 1
 
-    def _table(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def centroid_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cluster's centroid ``[C, D]`` and visual group ``[C]``, kept in step
         with ``clusters`` (rebuilt after a split), so that assigning a token is a
         few tensor ops, not a Python pass over thousands of clusters."""
@@ -203,44 +199,6 @@ class MosaicIndex:
         self._cents = None
         return [cid, len(self.clusters) - 1]
 
-    def centroids(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cents, visual = self._table()
-        counts = torch.tensor([c.count for c in self.clusters], dtype=torch.float32)
-        return cents, counts, visual
-
-    def scores(self, queries: torch.Tensor) -> torch.Tensor:
-        """[R, D] query rows -> [R, C] predicted log-mass (log size + q . centroid / sqrt d)."""
-        cents, counts, _ = self.centroids()
-        return queries.float() @ cents.T / math.sqrt(queries.shape[-1]) + counts.log()
-
-    def select(self, queries: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
-        """[R, C] bool: two-stage WiCSum selection per query row, plus the global
-        representative (strongest cluster) of every visual group. Stage 1 keeps
-        visual groups up to max(alpha, visual_keep) of the mass; alpha = 1 keeps all."""
-        return self.select_scores(self.scores(queries), alpha, visual_keep)
-
-    def select_frame(self, queries: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
-        """[C] bool: one selection for a whole frame (what is fetched once and
-        serves every row), on the rows' mean predicted attention distribution."""
-        mass = torch.softmax(self.scores(queries), dim=-1).mean(0)
-        return self.select_scores(mass.clamp_min(1e-30).log().unsqueeze(0), alpha, visual_keep)[0]
-
-    def select_scores(self, scores: torch.Tensor, alpha: float, visual_keep: float = 0.9) -> torch.Tensor:
-        if alpha >= 1:
-            return torch.ones(scores.shape[0], len(self.clusters), dtype=torch.bool)
-        visual = torch.tensor([c.visual for c in self.clusters])
-        groups = torch.unique(visual)
-        onehot = (visual.unsqueeze(0) == groups.unsqueeze(1)).float()           # [V, C]
-        group_scores = torch.logsumexp(scores.unsqueeze(1) + (onehot.log()).unsqueeze(0), dim=-1)   # [R, V]
-        keep_groups = wicsum(group_scores, max(alpha, visual_keep))             # stage 1
-        allowed = (keep_groups.float() @ onehot) > 0                            # [R, C]
-        stage2 = wicsum(scores.masked_fill(~allowed, float("-inf")), alpha) & allowed
-        reps = torch.zeros_like(stage2)
-        masked = scores.unsqueeze(1).expand(-1, len(groups), -1).masked_fill(onehot.unsqueeze(0) == 0,
-                                                                             float("-inf"))
-        reps.scatter_(1, masked.argmax(-1), True)                               # one per visual group
-        return stage2 | reps
-
     def owners(self, n_tokens: int) -> torch.Tensor:
         """[n_tokens]: the cluster of each token (-1: in none)."""
         owner = torch.full((n_tokens,), -1, dtype=torch.long)
@@ -248,13 +206,6 @@ class MosaicIndex:
             owner[torch.tensor(c.tokens, dtype=torch.long)] = i
         return owner
 
-    def token_mask(self, cluster_mask: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """[R, C] cluster selection -> [R, n_tokens] token selection."""
-        owner = self.owners(n_tokens)
-        valid = owner >= 0
-        out = torch.zeros(cluster_mask.shape[0], n_tokens, dtype=torch.bool)
-        out[:, valid] = cluster_mask[:, owner[valid]]
-        return out
 
 
 @dataclass

@@ -10,17 +10,14 @@ hyperplanes through the origin would cut most of them the same way (on
 SmolLM2-135M centring cut the tokens needed for 1 % error by 26 % at 12 bits
 and 36 % at 14, ``bench/retrieval_quality.py``).
 
-Selection, per layer, KV head and query row: a cluster's predicted attention
-mass is ``count * exp(q . mean_key / sqrt(d))``; clusters are kept in
-descending score order until the kept mass reaches ``alpha`` of the row's total
-(WiCSum), instead of a fixed top-k. ``wicsum_bucketed`` is the early-exit
-variant: scores fall into coarse buckets from the top, only the bucket where the
-threshold is crossed is sorted.
+The DRE only clusters. A served step ranks these clusters in the worker with
+its own queries (``kvreel.connector.retrieval.history``); the papers' query-time
+selection over clusters (WiCSum and its bucketed variant) is offline analysis,
+in ``bench/cluster_selection.py``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +46,6 @@ class Clusters:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.labels, self.sums, self.counts, self.codes, self.center))
 
-    @property
-    def means(self) -> torch.Tensor:
-        return self.sums / self.counts.unsqueeze(1)
-
-    def tokens(self, cluster_ids: torch.Tensor) -> torch.Tensor:
-        """Sorted token ids of the given clusters (the HC table lookup)."""
-        mask = torch.zeros(self.num_clusters, dtype=torch.bool)
-        mask[cluster_ids.cpu()] = True
-        return torch.nonzero(mask[self.labels], as_tuple=False).flatten()
 
 
 def hyperplanes(head_dim: int, bits: int, seed: int = 0) -> torch.Tensor:
@@ -136,59 +124,3 @@ def extend_clusters(cl: Clusters, keys: torch.Tensor, planes: torch.Tensor, hamm
     sums = torch.cat([cl.sums, torch.zeros(grown, keys.shape[1])])
     sums.index_add_(0, labels, keys.float())
     return Clusters(torch.cat([cl.labels, labels]), sums, counts, cluster_codes, cl.center)
-
-
-def cluster_scores(queries: torch.Tensor, clusters: Clusters) -> torch.Tensor:
-    """[R, D] query rows -> [R, C] predicted log-mass per cluster (log count + q.mean/sqrt d)."""
-    d = queries.shape[-1]
-    return queries.float() @ clusters.means.T / math.sqrt(d) + clusters.counts.float().log()
-
-
-def frame_scores(scores: torch.Tensor) -> torch.Tensor:
-    """[R, C] per-row log-masses -> [1, C]: the log of the rows' mean predicted
-    attention distribution, for one selection per frame (what is fetched once
-    and serves every row of the frame)."""
-    return torch.softmax(scores, dim=-1).mean(0, keepdim=True).clamp_min(1e-30).log()
-
-
-def wicsum(scores: torch.Tensor, alpha: float) -> torch.Tensor:
-    """[R, C] log-masses -> [R, C] bool: per row, the clusters in descending mass
-    until the kept mass reaches ``alpha`` of the row's total (at least one)."""
-    if not 0 < alpha <= 1:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    mass = torch.softmax(scores, dim=-1)
-    sorted_mass, order = torch.sort(mass, dim=-1, descending=True)
-    before = sorted_mass.cumsum(-1) - sorted_mass           # mass kept before each cluster
-    keep_sorted = before < alpha - 1e-7 if alpha < 1 else torch.ones_like(before, dtype=torch.bool)
-    keep = torch.zeros_like(keep_sorted)
-    return keep.scatter_(-1, order, keep_sorted)
-
-
-def wicsum_bucketed(scores: torch.Tensor, alpha: float, buckets: int = 16) -> torch.Tensor:
-    """WiCSum with the early-exit bucket sort: masses are bucketed on a log scale
-    from the row's maximum; whole buckets are taken from the top while the
-    threshold is not reached, and only the crossing bucket is sorted. Same
-    selection as ``wicsum`` (ties aside), without a full sort per row."""
-    if not 0 < alpha <= 1:
-        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    mass = torch.softmax(scores, dim=-1)
-    R, C = mass.shape
-    if alpha >= 1:
-        return torch.ones_like(mass, dtype=torch.bool)
-    logm = mass.clamp_min(1e-30).log()
-    top = logm.max(-1, keepdim=True).values
-    width = 2.0                                    # e^-2 per bucket: ~13 % of the level above
-    b = ((top - logm) / width).floor().clamp(max=buckets - 1).to(torch.int64)
-    bucket_mass = torch.zeros(R, buckets).scatter_add_(1, b, mass)
-    cum = bucket_mass.cumsum(-1)
-    crossing = (cum < alpha - 1e-7).sum(-1, keepdim=True).clamp(max=buckets - 1)   # first bucket reaching alpha
-    keep = b < crossing                             # every bucket above the crossing one
-    need = alpha - (cum.gather(1, crossing) - bucket_mass.gather(1, crossing))
-    in_cross = b == crossing
-    cross_mass = torch.where(in_cross, mass, torch.zeros_like(mass))
-    k = int(in_cross.sum(-1).max())                 # only the crossing bucket is ordered
-    sorted_mass, order = torch.topk(cross_mass, k, dim=-1)
-    before = sorted_mass.cumsum(-1) - sorted_mass
-    take_sorted = (before < need - 1e-7) & (sorted_mass > 0)
-    take = torch.zeros_like(keep).scatter_(-1, order, take_sorted)
-    return keep | take

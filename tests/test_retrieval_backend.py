@@ -25,14 +25,17 @@ def setup(tiny_model, monkeypatch):
 
     from kvreel.connector.retrieval.attention_backend import RetrievalAttentionImpl
     from kvreel.connector.retrieval.runtime import RetrievalRuntime
-    RetrievalRuntime._instance = None
+    RetrievalRuntime._built = None
+    # vLLM's kernel uses AMX tiles where the CPU has them; the process must have asked
+    # the kernel for them first, as an engine's start does (alone, this file would die of SIGILL)
+    torch.cpu._init_amx()
     config = VllmConfig(model_config=ModelConfig(model=tiny_model), kv_transfer_config=KVTransferConfig(
         kv_connector="KVReelConnector", kv_connector_module_path="kvreel.connector", kv_role="kv_both"))
     with set_current_vllm_config(config):
         impl = RetrievalAttentionImpl(num_heads=H * G, head_size=D, scale=D ** -0.5, num_kv_heads=H,
                                       alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-        yield impl, RetrievalRuntime._instance
-    RetrievalRuntime._instance = None
+        yield impl, RetrievalRuntime._built
+    RetrievalRuntime._built = None
 
 
 def _batch(seq_lens: list[int], q_lens: list[int], num_blocks: int, g: torch.Generator):

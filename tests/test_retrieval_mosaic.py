@@ -1,8 +1,15 @@
-"""Mosaic nested clustering, two-stage selection, online assignment, deferred splits, prefetch."""
+"""Mosaic nested clustering, online assignment and deferred splits (the DRE), and
+its two-stage selection (offline analysis, bench/cluster_selection.py)."""
+
+import sys
+from pathlib import Path
 
 import torch
 
 from kvreel.dre.mosaic import MosaicIndex, MosaicSession, cosine_kmeans
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from cluster_selection import mosaic_select, mosaic_select_frame, token_mask  # noqa: E402
 
 
 def session(frames=12, per_frame=32, D=32, seed=0):
@@ -39,15 +46,15 @@ def test_index_partitions_tokens_and_selection_bounds():
         assert bool((visual[frame_of[torch.tensor(c.tokens)]] == c.visual).all())
         assert torch.allclose(c.centroid, keys[torch.tensor(c.tokens)].mean(0), atol=1e-4)
     q = keys[:5] + 0.1
-    assert bool(index.select(q, 1.0).all())
-    small = index.select(q, 0.3)
+    assert bool(mosaic_select(index, q, 1.0).all())
+    small = mosaic_select(index, q, 0.3)
     assert bool(small.any(-1).all()) and not bool(small.all())
     per_group = {c.visual for c in index.clusters}
     # the global representatives: every visual group keeps at least one cluster per row
     for v in per_group:
         ids = [i for i, c in enumerate(index.clusters) if c.visual == v]
         assert bool(small[:, ids].any(-1).all())
-    mask = index.token_mask(small, keys.shape[0])
+    mask = token_mask(index, small, keys.shape[0])
     assert mask.shape == (5, keys.shape[0])
     assert bool((mask.sum(-1) == torch.tensor([sum(index.clusters[i].count for i in torch.nonzero(r).flatten())
                                                for r in small])).all())
@@ -92,9 +99,9 @@ def test_frame_selection_serves_every_row():
     keys, frame_of, emb, _ = session()
     index = MosaicIndex.build(keys, frame_of, cosine_kmeans(emb, 3), per_visual=4)
     q = keys[:8] + 0.05
-    frame = index.select_frame(q, 0.7)
+    frame = mosaic_select_frame(index, q, 0.7)
     assert frame.shape == (len(index.clusters),) and bool(frame.any())
-    assert bool(index.select_frame(q, 1.0).all())
+    assert bool(mosaic_select_frame(index, q, 1.0).all())
 
 
 def test_a_session_grows_online_without_reclustering():

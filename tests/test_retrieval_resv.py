@@ -1,10 +1,17 @@
-"""ReSV hash-bit clustering and WiCSum selection."""
+"""ReSV hash-bit clustering (the DRE) and WiCSum selection over its clusters
+(offline analysis, bench/cluster_selection.py)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvreel.dre.resv import (cluster_keys, cluster_scores, extend_clusters, frame_scores, hash_keys,
-                             hyperplanes, wicsum, wicsum_bucketed)
+from kvreel.dre.resv import cluster_keys, extend_clusters, hash_keys, hyperplanes
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from cluster_selection import (cluster_means, cluster_scores, cluster_tokens, frame_scores,  # noqa: E402
+                               wicsum, wicsum_bucketed)
 
 
 def keys(T=512, D=64, seed=0):
@@ -30,12 +37,12 @@ def test_clusters_partition_tokens_and_respect_the_hamming_radius(hamming):
     codes = hash_keys(k - k.mean(0), planes)          # hashed centred
     for c in range(cl.num_clusters):
         members = (cl.labels == c)
-        assert torch.allclose(cl.means[c], k[members].mean(0), atol=1e-5)
+        assert torch.allclose(cluster_means(cl)[c], k[members].mean(0), atol=1e-5)
         xor = codes[members] ^ cl.codes[c]
         assert max(bin(int(x)).count("1") for x in xor) <= hamming
     same = codes.unsqueeze(0) == codes.unsqueeze(1)          # equal hashes share a cluster
     assert bool((cl.labels.unsqueeze(0) == cl.labels.unsqueeze(1))[same].all())
-    assert torch.equal(cl.tokens(torch.tensor([0])), torch.nonzero(cl.labels == 0).flatten())
+    assert torch.equal(cluster_tokens(cl, torch.tensor([0])), torch.nonzero(cl.labels == 0).flatten())
     first_seen = [int(torch.nonzero(cl.labels == c)[0]) for c in range(cl.num_clusters)]
     assert first_seen == sorted(first_seen) and first_seen[0] == 0      # numbered by first appearance
     if hamming == 0:
@@ -52,7 +59,7 @@ def test_a_table_extended_block_by_block_is_the_table_of_all_tokens(hamming):
     assert whole.num_clusters > cluster_keys(k[:300], planes, hamming).num_clusters     # new clusters opened
     for field in ("labels", "counts", "codes"):
         assert torch.equal(getattr(grown, field), getattr(whole, field)), field
-    assert torch.allclose(grown.means, whole.means, atol=1e-5)
+    assert torch.allclose(cluster_means(grown), cluster_means(whole), atol=1e-5)
 
 
 def test_wider_radius_gives_fewer_clusters():
@@ -92,7 +99,7 @@ def test_predicted_mass_uses_counts_and_mean_keys():
     cl = cluster_keys(k, planes, 1)
     q = torch.randn(5, 64)
     s = cluster_scores(q, cl)
-    assert torch.allclose(s, q @ cl.means.T / 8.0 + cl.counts.float().log(), atol=1e-5)
+    assert torch.allclose(s, q @ cluster_means(cl).T / 8.0 + cl.counts.float().log(), atol=1e-5)
 
 
 def test_frame_scores_are_the_rows_mean_distribution():

@@ -45,7 +45,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         from vllm.config import get_current_vllm_config
         config = get_current_vllm_config()
-        self.runtime = RetrievalRuntime.get(engine_settings(config))
+        self.runtime = RetrievalRuntime.for_layers(engine_settings(config))
         self.runtime.configure_engine(config)
         self.layer_index: int | None = None
 
@@ -260,7 +260,7 @@ class RetrievalCPUAttentionBackend(CPUAttentionBackend):
         """Full-attention layers report ``OffloadedHistorySpec`` (with kvreel's
         retrieval on; the layers' impls noted the engine's settings)."""
         spec = super().customize_spec(spec)
-        rt = RetrievalRuntime.instance()
+        rt = RetrievalRuntime.built()
         if rt is None or type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
             return spec
         from kvreel.connector.retrieval.offload import offloaded_spec

@@ -25,7 +25,7 @@ def register() -> None:
     check_command_line()
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
-        if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
+        if retrieval_asked():
             logger.warning("kvreel: KVREEL_RETRIEVAL is implemented for vLLM's CPU backend only; "
                            "this platform keeps full attention")
         return
@@ -92,6 +92,13 @@ def check_command_line(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
 
 
+def retrieval_asked() -> bool:
+    """Whether the environment asks for retrieval, for a warning where kvreel's
+    settings are not loaded (an engine without kvreel's connector, another
+    platform); where they are, ``engine_settings`` reads them all."""
+    return os.environ.get("KVREEL_RETRIEVAL", "off") != "off"
+
+
 def attaches_kvreel(vllm_config) -> bool:
     kv = getattr(vllm_config, "kv_transfer_config", None)
     return kv is not None and kv.kv_connector == CONNECTOR
@@ -103,7 +110,7 @@ def engine_settings(vllm_config):
     retrieval on; None otherwise, and vLLM's attention stays vLLM's."""
     from kvreel.connector.config import KVReelConfig
     if not attaches_kvreel(vllm_config):
-        if os.environ.get("KVREEL_RETRIEVAL", "off") != "off":
+        if retrieval_asked():
             logger.error("kvreel: KVREEL_RETRIEVAL needs kvreel's connector (--kv-transfer-config "
                          "'{\"kv_connector\":\"KVReelConnector\",\"kv_connector_module_path\":\"kvreel.connector\","
                          "\"kv_role\":\"kv_both\"}'); attention stays full")

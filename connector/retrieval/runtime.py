@@ -70,22 +70,30 @@ from kvreel.connector.vllm_internals import cpu_attn_isa, layer_index
 
 
 class RetrievalRuntime:
-    """Process-wide (one per worker): histories, working sets, the link to the DRE."""
+    """One per worker process: histories, working sets, the link to the DRE.
 
-    _instance: "RetrievalRuntime | None" = None
+    Its owner is the engine's model: the first attention layer kvreel's backend
+    builds makes it (``for_layers``; the others share it), since vLLM builds
+    the model before the KV connector; the connector's worker then takes it
+    (``built``) and hands it the engine's caches."""
+
+    _built: "RetrievalRuntime | None" = None
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, cfg: KVReelConfig) -> "RetrievalRuntime":
-        """The worker's runtime, made with ``cfg`` (the engine's settings) on first use."""
+    def for_layers(cls, cfg: KVReelConfig) -> "RetrievalRuntime":
+        """The runtime of this process's attention layers, made with ``cfg`` (the
+        engine's settings) by the first of them."""
         with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls(cfg)
-            return cls._instance
+            if cls._built is None:
+                cls._built = cls(cfg)
+            return cls._built
 
     @classmethod
-    def instance(cls) -> "RetrievalRuntime | None":
-        return cls._instance
+    def built(cls) -> "RetrievalRuntime | None":
+        """The runtime the attention layers made; None where none did (an engine
+        whose attention is not kvreel's)."""
+        return cls._built
 
     def __init__(self, cfg: KVReelConfig):
         self.cfg = cfg

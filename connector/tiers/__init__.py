@@ -1,14 +1,16 @@
-"""The storage tiers a chunk can live in, below vLLM's own paged cache.
+"""The storage tiers a chunk can live in, below vLLM's own paged cache: their
+worker halves.
 
 Every tier stores whole chunks (a payload ``[regions, blocks, block_bytes]``
 of paged KV, keyed by the hash of the chunk's last block) behind the same
-interface, ``ChunkTier``; the scheduler side decides what goes where, the
-worker side drives every tier through that interface alone, so a new tier (an
-object store, a peer engine) is one file.
+interface, ``ChunkTier``; the worker drives every tier through that interface
+alone, so a new tier (an object store, a peer engine) is one file here. Each
+tier's scheduler half decides what it holds, in ``kvreel.scheduler``:
 
-    host    memory of the worker process (pinned on CUDA)      tiers.host
-    disk    one self-checking file per chunk, survives restarts  tiers.disk
-    remote  a store shared by engines (Redis or a directory)    tiers.remote
+    tier    worker half (here)                                  scheduler half
+    host    memory of the worker process (pinned on CUDA)       chunks.TierBudget + an eviction policy
+    disk    one self-checking file per chunk, survives restarts  chunks.TierBudget + an eviction policy
+    remote  a store shared by engines (Redis or a directory)     remote_lookups.RemoteLookups
 """
 
 from __future__ import annotations

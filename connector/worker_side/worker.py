@@ -51,7 +51,12 @@ class KVReelWorker:
                                on_thread=not self.pages.is_cuda and self.cfg.save_copy == "thread")
         if self.cfg.retrieval != "off":
             from kvreel.connector.retrieval.runtime import RetrievalRuntime
-            self.retrieval = RetrievalRuntime.get(self.cfg)
+            self.retrieval = RetrievalRuntime.built()
+            if self.retrieval is None:
+                logger.error("kvreel: KVREEL_RETRIEVAL=%s, but this engine's attention layers are vLLM's own "
+                             "(kvreel's retrieval backend runs on vLLM's CPU platform): attention stays full",
+                             self.cfg.retrieval)
+        if self.retrieval is not None:
             self.retrieval.register_caches(kv_caches, kv_cache_config.kv_cache_groups[0].kv_cache_spec,
                                            max_batched_tokens)
             if len(self.pages.regions) != self.retrieval.num_layers:
