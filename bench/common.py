@@ -347,6 +347,9 @@ def package_versions() -> dict:
     return out
 
 
+PACKAGE_FOLDERS = ("connector", "scheduler", "codec", "dre", "cli")     # what a results file's commit stands for
+
+
 def commit() -> str:
     """The checkout's commit ("+changes" when the package or benchmarks differ from
     it), as it was when the benchmark started (``STARTED_AT``: a long run's files
@@ -356,7 +359,7 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "connector", "codec", "scheduler", "bench/*.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *PACKAGE_FOLDERS, "bench/*.py"],
                                cwd=root, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

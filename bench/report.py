@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, load_results, machine_words  # noqa: E402
+from common import PACKAGE_FOLDERS, RESULTS, load_results, machine_words  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-PACKAGE = ("connector", "scheduler", "codec", "dre", "cli")
+PACKAGE = PACKAGE_FOLDERS
 # results written before save() recorded the script (``--name`` chose another name)
 OLDER_NAMES = {"no_reuse": "peers", "long_context_held_out": "long_context_suite", "prefill_alpha": "prefill_groups",
                "prefill_budget": "prefill_groups"}
