@@ -29,7 +29,8 @@ def _streams(L: int, B: int):
 
 def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
                  resolutions: Sequence[int] | None = None, preset: str = "fast", token_start: int = 0,
-                 block_size: int | None = None, model: str | None = None, encoder: str = "auto") -> bytes:
+                 block_size: int | None = None, model: str | None = None, encoder: str = "auto",
+                 chunk_key: bytes | None = None) -> bytes:
     """KV ``[layers, 2, tokens, kv_heads, head_dim]`` -> container bytes.
 
     ``quant``: "none" (bit-exact) or "int8"; ``layout``: "auto" (searched
@@ -75,7 +76,8 @@ def encode_chunk(kv: torch.Tensor, *, quant: str = "none", layout: str = "auto",
         sections.append(bitstream)
         offset += len(bitstream)
     header = ChunkHeader([L, T, H, D], dtype_name, quant, layout,
-                         tiling.as_dict() if tiling else None, params_section, streams, token_start, block_size, model)
+                         tiling.as_dict() if tiling else None, params_section, streams, token_start, block_size, model,
+                         chunk_key.hex() if chunk_key is not None else None)
     return pack(header, sections)
 
 

@@ -48,6 +48,7 @@ class ChunkHeader:
     token_start: int = 0
     block_size: int | None = None
     model: str | None = None
+    chunk_key: str | None = None   # hex of kvreel.codec.formats.chunk_key of the blocks it holds
 
     def to_json(self) -> bytes:
         def enc(o):
@@ -63,7 +64,7 @@ class ChunkHeader:
                               [int(c) for c in s["frame_sums"]]) for s in d["streams"]]
             return cls([int(x) for x in d["shape"]], str(d["dtype"]), str(d["quant"]), str(d["layout"]),
                        d.get("tiling"), params, streams, int(d.get("token_start", 0)), d.get("block_size"),
-                       d.get("model"))
+                       d.get("model"), d.get("chunk_key"))
         except (ValueError, KeyError, TypeError) as e:
             raise ChunkError(f"unreadable chunk header: {e}") from None
 

@@ -141,6 +141,24 @@ def chunk_file_bytes(identity: str, block_hashes: list[bytes], payload: torch.Te
     return b"".join(bytes(p) for p in encode_chunk_file(identity, block_hashes, payload))
 
 
+def chunk_key(block_hashes) -> bytes:
+    """A chunk's key: the SHA-256 of its block hashes. It names exactly one run
+    of blocks: two engines that cut a prefix differently (one whose own prefix
+    cache held a chunk's first blocks stores only the rest) never share a key
+    in the remote store, and a fetched chunk proves it is the one asked for
+    (``check_chunk_key``)."""
+    return hashlib.sha256(b"".join(block_hashes)).digest()
+
+
+def check_chunk_key(wanted: bytes | None, found: bytes | None) -> None:
+    """Raise ``ChunkError`` unless a chunk fetched under key ``wanted`` holds the
+    blocks that key names (``found``: the key its header's blocks give);
+    ``wanted`` None checks nothing (a chunk read by path)."""
+    if wanted is not None and found != wanted:
+        raise ChunkError("the chunk holds other blocks than its key names (stored by another kvreel version, "
+                         "or not by kvreel)")
+
+
 def read_chunk_header(f, identity: str | None) -> ChunkFileHeader:
     """The header of the chunk file open in ``f``; checks the identity unless it is None."""
     header = ChunkFileHeader.from_bytes(read_frame(f.read, CHUNK_FILE))

@@ -13,8 +13,8 @@ import torch
 import zstandard
 
 from kvreel.codec.chunk import decode_chunk, encode_chunk, read_header
-from kvreel.codec.formats import (RAW, VIDEO_FORM, ZSTD, ChunkError, chunk_file_bytes, form_kind, read_chunk,
-                                  video_form)
+from kvreel.codec.formats import (RAW, VIDEO_FORM, ZSTD, ChunkError, check_chunk_key, chunk_file_bytes, chunk_key,
+                                  form_kind, read_chunk, video_form)
 
 
 class KVView:
@@ -95,13 +95,15 @@ class StoredForms:
                 if kv is None:
                     kv = self.kv_view.to_kv(payload)
                 data = encode_chunk(kv, quant=self.quant, resolutions=(int(name.split("@")[1]),),
-                                    model=self.identity)
+                                    model=self.identity, chunk_key=chunk_key(block_hashes))
             yield name, data, time.perf_counter() - t0
 
     def decode(self, name: str, data: bytes, payload_shape: tuple[int, ...] | None = None,
-               on_regions: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+               on_regions: Callable[[int, torch.Tensor], None] | None = None,
+               key: bytes | None = None) -> torch.Tensor:
         """The verified payload from one stored form (on ``device`` for the video
-        form, on the CPU otherwise). ``on_regions(first, rows)`` receives
+        form, on the CPU otherwise); with ``key``, a chunk whose blocks are not the
+        ones that key names is refused before a row is handed on. ``on_regions(first, rows)`` receives
         verified payload rows as soon as they are decoded: the video form hands
         on each layer triplet while later frames are still decoding, the byte
         forms the whole chunk at once."""
@@ -112,7 +114,8 @@ class StoredForms:
             except zstandard.ZstdError as e:
                 raise ChunkError(f"zstd form: {e}") from None
         if kind in (RAW, ZSTD):
-            payload = read_chunk(io.BytesIO(data), self.identity)[1]
+            header, payload = read_chunk(io.BytesIO(data), self.identity)
+            check_chunk_key(key, chunk_key(header.block_hashes))
             if on_regions is not None:
                 on_regions(0, payload)
             return payload
@@ -123,6 +126,7 @@ class StoredForms:
             raise ChunkError("video form belongs to another model/layout")
         if header.quant != self.quant:
             raise ChunkError(f"video form is quantized {header.quant!r}, this engine wants {self.quant!r}")
+        check_chunk_key(key, _hex_key(header.chunk_key))
         hand_on = None if on_regions is None else (
             lambda first, layers: on_regions(first, self.kv_view.to_payload(layers)))
         try:
@@ -133,3 +137,11 @@ class StoredForms:
         if payload_shape is not None and tuple(payload.shape) != tuple(payload_shape):
             raise ChunkError(f"{name} form decodes to {tuple(payload.shape)}, expected {tuple(payload_shape)}")
         return payload
+
+
+def _hex_key(text) -> bytes | None:
+    """A key written in a (untrusted) header, or None where it is absent or unreadable."""
+    try:
+        return bytes.fromhex(text)
+    except (TypeError, ValueError):
+        return None

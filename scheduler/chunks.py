@@ -4,10 +4,10 @@ their eviction order.
 
 A *chunk* is a run of consecutive full blocks of one prefix, at most
 ``KVREEL_CHUNK_TOKENS`` long and never crossing a chunk boundary, keyed by the
-hash of its last block. Block keys are vLLM's own chained prefix-cache block
-hashes, so a chunk's key names the whole prefix up to it. Every block maps to
-(chunk, row), so any prefix of a held chunk is reusable: reuse is at block
-granularity.
+digest of its block hashes (``kvreel.codec.formats.chunk_key``). Block keys are
+vLLM's own chained prefix-cache block hashes, so a chunk's key names exactly
+its blocks and the prefix before them. Every block maps to (chunk, row), so any
+prefix of a held chunk is reusable: reuse is at block granularity.
 
 Eviction: each tier's budget asks its policy (``kvreel.scheduler.eviction``: LRU,
 or with workflow hints the chunks whose agents run furthest in the future
@@ -109,6 +109,7 @@ class ChunkStore:
         self.stats = stats
         self.events = events
         self.index: dict[bytes, BlockRef] = {}
+        self._by_key: dict[bytes, Chunk] = {}         # the indexed chunks
         self.policy = policy or LRUPolicy()
         self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, self.policy)}
         if cfg.disk_dir:
@@ -135,6 +136,7 @@ class ChunkStore:
         """Index every block of ``chunk``."""
         for row, h in enumerate(chunk.block_hashes):
             self.index[h] = BlockRef(chunk, row)
+        self._by_key[chunk.key] = chunk
 
     def touch(self, chunk: Chunk) -> None:
         """``chunk`` was used just now: the last of its tiers' copies to go."""
@@ -204,11 +206,13 @@ class ChunkStore:
             for h in chunk.block_hashes:
                 if self.holder(h) is chunk:
                     del self.index[h]
+            if self._by_key.get(chunk.key) is chunk:
+                del self._by_key[chunk.key]
 
     def by_key(self, key: bytes) -> Chunk | None:
-        """The indexed chunk whose key this is (a chunk's key is its last block's hash)."""
-        chunk = self.holder(key)
-        return chunk if chunk is not None and chunk.key == key else None
+        """The indexed chunk whose key this is."""
+        chunk = self._by_key.get(key)
+        return chunk if chunk is not None and self.indexed(chunk) else None
 
     def holder(self, block_hash: bytes) -> Chunk | None:
         """The indexed chunk that holds a block."""

@@ -27,12 +27,15 @@ is not seen."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvreel.connector.tiers import Tier
 from kvreel.connector.vllm_internals import event_block_hash
 
 REMOTE_OWNERSHIP = "kvreel-remote"
+UPLOADS_REMEMBERED = 4096
 # tier -> the event's (medium, locality, ownership)
 RESIDENCY = {Tier.HOST: ("CPU", "LOCAL", None), Tier.DISK: ("STORAGE", "LOCAL", None),
              Tier.REMOTE: ("STORAGE", "REMOTE", REMOTE_OWNERSHIP)}
@@ -44,6 +47,9 @@ class TierEvents:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._events: list[KVCacheEvent] = []
+        # remote uploads announced, by chunk key: a failed one is announced gone
+        # (failures come back within the bounded upload queue's turnover)
+        self._uploads: OrderedDict[bytes, list[bytes]] = OrderedDict()
 
     def stored(self, chunk, tier: Tier) -> None:
         """``chunk`` is in ``tier`` now; not announced without its tokens (module docstring)."""
@@ -55,6 +61,16 @@ class TierEvents:
             parent_block_hash=event_block_hash(chunk.parent) if chunk.parent is not None else None,
             token_ids=list(chunk.token_ids), block_size=self.block_size, lora_id=None,
             medium=medium, lora_name=None, locality=locality, ownership=ownership))
+        if tier == Tier.REMOTE:
+            self._uploads[chunk.key] = chunk.block_hashes
+            if len(self._uploads) > UPLOADS_REMEMBERED:
+                self._uploads.popitem(last=False)
+
+    def upload_failed(self, key: bytes) -> None:
+        """The remote upload of chunk ``key`` failed: its blocks are not there after all."""
+        block_hashes = self._uploads.pop(key, None)
+        if block_hashes is not None:
+            self.removed(block_hashes, Tier.REMOTE)
 
     def removed(self, block_hashes: list[bytes], tier: Tier) -> None:
         medium, locality, ownership = RESIDENCY[tier]

@@ -219,11 +219,10 @@ class KVReelScheduler:
             for tier, keys in meta.failed_writes.items():
                 self.stats.add(WRITE_FAILURES[tier], len(keys))
                 if tier == Tier.REMOTE and self.store.events is not None:
-                    for key in keys:     # announced when planned; a chunk no longer indexed by its last block
-                        chunk = self.store.by_key(key)
-                        self.store.events.removed(chunk.block_hashes if chunk else [key], tier)
+                    for key in keys:     # announced when planned
+                        self.store.events.upload_failed(key)
                 for key in keys if tier in self.store.budgets else ():
-                    chunk = self.store.holder(key)
+                    chunk = self.store.by_key(key)
                     if chunk is not None and tier in chunk.tiers:
                         self.store.drop_copy(chunk, tier)
             for key in meta.bad_keys:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 
+from kvreel.codec.formats import chunk_key
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import GroupBlockIds, StoreOp
 from kvreel.scheduler.chunks import DISK, HOST, REMOTE, Chunk, ChunkStore
@@ -47,7 +48,7 @@ class SavePlanner:
             while j < min(full, boundary) and hashes[j] not in index and held_by_every_group(st, j):
                 j += 1
             user = st.user if i < prompt_blocks(st.request, self.block_size) else None  # prompts, not answers
-            chunk = Chunk(hashes[j - 1], list(hashes[i:j]), (j - i) * self.bytes_per_block)
+            chunk = Chunk(chunk_key(hashes[i:j]), list(hashes[i:j]), (j - i) * self.bytes_per_block)
             if self.store.events is not None:
                 chunk.parent = hashes[i - 1] if i else None
                 chunk.token_ids = array("i", st.request.all_token_ids[i * self.block_size:j * self.block_size])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvreel.codec.formats import StoreKeys
+from kvreel.codec.formats import StoreKeys, chunk_key
 from kvreel.codec.forms import KVView, StoredForms
 from kvreel.connector.tiers.remote import RemoteTier
 from kvreel.scheduler.remote_lookups import RemoteLookups
@@ -46,13 +46,18 @@ class Collect:
             self._done(result)
 
 
+def put(tier, hashes, payload) -> bytes:
+    """Store a chunk under its key (the digest of its block hashes); return the key."""
+    key = chunk_key(hashes)
+    assert tier.put(key, hashes, payload)
+    return key
+
+
 def upload(tier, n, seed=0):
     keys, payloads = [], []
     for i in range(n):
-        key = bytes([seed, i]) * 16
         payload = synthetic_payload(SHAPE, seed=seed * 100 + i)
-        tier.put(key, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload)
-        keys.append(key)
+        keys.append(put(tier, [bytes([seed, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payload))
         payloads.append(payload)
     assert tier.flush(120)
     return keys, payloads
@@ -239,9 +244,8 @@ def test_a_stale_remote_lookup_is_never_applied_to_other_blocks(tmp_path):
     local hit grew, it was preempted): the answer must be for the blocks asked."""
     import time
     tier = make_tier(tmp_path / "store")
-    key = b"\x05" * 32
     hashes = [bytes([9, j]) * 16 for j in range(SHAPE[1])]
-    tier.put(key, hashes, synthetic_payload(SHAPE))
+    key = put(tier, hashes, synthetic_payload(SHAPE))
     assert tier.flush(120)
     lookups = RemoteLookups(f"file://{tmp_path / 'store'}", "model-x", 2.0)
 
@@ -272,9 +276,8 @@ def test_a_chunk_is_fetchable_before_its_video_forms_are_encoded(tmp_path, caplo
     tier = make_tier(tmp_path / "a", forms=("raw", "zstd", "video"))
     keys, payloads = [], []
     for i in range(4):
-        keys.append(bytes([7, i]) * 16)
         payloads.append(synthetic_payload(SHAPE, seed=i))
-        tier.put(keys[-1], [bytes([7, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payloads[-1])
+        keys.append(put(tier, [bytes([7, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], payloads[-1]))
     tier._queue.join()                                   # the byte stage only
     for key, payload in zip(keys, payloads):
         assert torch.equal(tier.get(key), payload)
@@ -287,8 +290,7 @@ def test_a_chunk_is_fetchable_before_its_video_forms_are_encoded(tmp_path, caplo
 
     tier = make_tier(tmp_path / "b", forms=("raw", "zstd", "video"))
     for i in range(6):
-        tier.put(bytes([8, i]) * 16, [bytes([8, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])],
-                 synthetic_payload(SHAPE, seed=i))
+        put(tier, [bytes([8, i, j]) * 8 + bytes(8) for j in range(SHAPE[1])], synthetic_payload(SHAPE, seed=i))
     tier._queue.join()
     with caplog.at_level("INFO", logger="kvreel.connector.tiers.remote"):
         tier.close(drain_timeout_s=0)
@@ -300,3 +302,23 @@ def test_a_chunk_is_fetchable_before_its_video_forms_are_encoded(tmp_path, caplo
         assert "raw" in listed and "zstd" in listed
         for form, size in listed.items():
             assert len(tier.get_form(key, form)) == size       # every form offered is stored whole
+
+
+@pytest.mark.parametrize("form", ["raw", "zstd", "video@256"])
+def test_a_chunk_under_a_key_that_names_other_blocks_is_refused(tmp_path, form):
+    """A chunk's key is the digest of its block hashes: a chunk stored under
+    another chunk's key (an older kvreel keyed chunks by their last block, so a
+    chunk cut shorter by another engine could replace it) never reaches a KV cache."""
+    tier = make_tier(tmp_path, forms=("raw", "zstd", "video"))
+    hashes = [bytes([3, j]) * 16 for j in range(SHAPE[1])]
+    wanted = chunk_key(hashes)
+    assert tier.put(wanted, hashes[::-1], synthetic_payload(SHAPE))     # the same blocks, another order
+    assert tier.flush(120)
+    ctrl = FetchController(tier, DecodeProfile("t", None), streams=1, fixed_form=form)
+    sink = Collect(parts={})
+    ctrl.fetch("r", [wanted], sink, timeout_s=30)
+    result = sink.results[0]
+    assert result.payload is None and "other blocks than its key names" in str(result.error)
+    assert sink.parts == {}                            # not a row handed on
+    ctrl.close()
+    tier.close()

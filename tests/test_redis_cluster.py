@@ -12,7 +12,7 @@ import pytest
 import redis
 import torch
 
-from kvreel.codec.formats import ChunkUnavailable
+from kvreel.codec.formats import ChunkUnavailable, chunk_key
 from kvreel.codec.forms import StoredForms
 from kvreel.connector.tiers.remote import RemoteTier
 from kvreel.connector.tiers.store import open_store, parse_cluster_url, redact_url
@@ -29,9 +29,9 @@ def url(nodes, seeds: int = 2) -> str:
 def upload(tier: RemoteTier, n: int):
     chunks = []
     for i in range(n):
-        key = bytes([7, i]) * 16
         payload = synthetic_payload(SHAPE, seed=i)
         hashes = [bytes([i, row]) * 16 for row in range(SHAPE[1])]
+        key = chunk_key(hashes)
         assert tier.put(key, hashes, payload)
         chunks.append((key, hashes, payload))
     assert tier.flush(60) and tier.take_failed_writes() == set()

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from bench.shaper import Shaper
-from kvreel.codec.formats import ChunkUnavailable
+from kvreel.codec.formats import ChunkUnavailable, chunk_key
 from kvreel.codec.forms import StoredForms
 from kvreel.connector.tiers.remote import RemoteTier
 from kvreel.scheduler.remote_lookups import RemoteLookups
 
 ID = "model-r"
-KEY = b"\x05" * 32
 HASHES = [bytes([i]) * 32 for i in range(4)]
+KEY = chunk_key(HASHES)
 
 
 def payload():

@@ -123,3 +123,26 @@ def test_damaged_video_form_falls_back_to_raw_exactly(tiny_model, plain, redis_s
     assert again["logprobs"] == plain["phases"][1][0]["logprobs"]
     assert reel["metrics"]["vllm:kvreel_remote_fetches_total|raw"] == 3
     assert "video@256 form of remote chunk" in reel["log"]
+
+
+def test_a_chunk_cut_short_by_another_engine_never_replaces_it(tiny_model, plain, tmp_path):
+    """Two engines share a store. The first computed P whole (its first chunk:
+    blocks 0-7). The second's own prefix cache held blocks 0-1 of P, so it
+    computed and stored blocks 2-7 as a chunk of their own, and its uploads came
+    last (here: its store, with the first engine's objects merged in without
+    overwriting). A third engine loads P through both engines' block pointers:
+    every block must bring its own KV (when a chunk's key was its last block's
+    hash, both chunks had one key and blocks 0-1 got the KV of blocks 2-3)."""
+    shared, aside = tmp_path / "shared", tmp_path / "first-engine"
+    merge = (f"shell:{sys.executable} -c \"import shutil, os; shutil.copytree('{aside}', '{shared}', "
+             "dirs_exist_ok=True, copy_function=lambda s, d: os.path.exists(d) or shutil.copy2(s, d))\"")
+    reel = run_scenario({"model": tiny_model, "kvreel": {**_cfg(0), "remote_url": f"file://{shared}"}, "phases": [
+        {"prompts": [P]},
+        {"before": "restart", "prompts": [P[:2 * 32 + 5]]},           # blocks 0-1 into vLLM's cache (from the store)
+        {"before": f"shell:mv {shared} {aside}", "prompts": [P]},    # the store misses: blocks 2-17 computed
+        {"before": ["restart", merge], "prompts": [P]}]})
+    assert reel["phases"][2][0]["num_cached_tokens"] == 64
+    again = reel["phases"][3][0]
+    assert again["num_cached_tokens"] == 576
+    assert again["token_ids"] == plain["phases"][1][0]["token_ids"]
+    assert again["logprobs"] == plain["phases"][1][0]["logprobs"]

@@ -526,6 +526,7 @@ def test_a_long_prefix_is_not_loaded_from_the_remote_tier_into_vllms_cache(tmp_p
     and never run. They are recomputed; remote blocks inside the window still load."""
     import time
     from types import SimpleNamespace
+    from kvreel.codec.formats import chunk_key
     from kvreel.codec.forms import StoredForms
     from kvreel.connector.config import KVReelConfig
     from kvreel.scheduler.kvreel_scheduler import KVReelScheduler
@@ -533,7 +534,7 @@ def test_a_long_prefix_is_not_loaded_from_the_remote_tier_into_vllms_cache(tmp_p
     url = f"file://{tmp_path / 'store'}"
     tier = RemoteTier(url, StoredForms("model"), 2.0, 4)
     hashes = [bytes([7, j]) * 16 for j in range(16)]
-    tier.put(b"\x01" * 32, hashes, torch.zeros(1, 16, 64, dtype=torch.uint8))
+    tier.put(chunk_key(hashes), hashes, torch.zeros(1, 16, 64, dtype=torch.uint8))
     assert tier.flush(120)
     tier.close()
 

@@ -1,7 +1,8 @@
-"""What kvreel's scheduler side stores again after a failed load, outside an
-engine: vLLM reuses block ids, so a failure names a block of a load in flight,
-and a long request's blocks that vLLM freed are never read back for a store
-(the soak found both as wrong KV stored under a shared prefix's hashes)."""
+"""What kvreel's scheduler side stores, outside an engine: again after a failed
+load (vLLM reuses block ids, so a failure names a block of a load in flight),
+never a long request's blocks that vLLM freed (the soak found both as wrong KV
+stored under a shared prefix's hashes), and chunks cut differently by two
+engines sharing a remote store, each under a key of its own."""
 
 from __future__ import annotations
 
@@ -97,3 +98,40 @@ def test_a_step_names_every_block_it_writes_and_none_it_only_reads(tmp_path):
     meta = sched.build_connector_meta(step)
     assert meta.written_blocks == {22, 23, 24, 40}    # not 10, 11: read from vLLM's cache, never written
     assert [p.block_ids[0] for op in meta.loads for p in op.pieces] == [[22, 23]]
+
+
+def test_engines_that_cut_a_chunk_differently_never_overwrite_each_other_in_the_store(tmp_path):
+    """Engine A computes blocks 0-3 (one chunk); engine B's own prefix cache held
+    blocks 0-1, so B stores only blocks 2-3. Both upload to one store. A third
+    engine must get each block's own KV back through the store's pointers (when
+    a chunk's key was its last block's hash, B's chunk replaced A's and block
+    0's pointer led to block 2's KV)."""
+    import torch
+
+    from kvreel.codec.forms import StoredForms
+    from kvreel.connector.tiers.remote import RemoteTier
+    from kvreel.scheduler.remote_lookups import RemoteLookups
+    url = f"file://{tmp_path / 'store'}"
+    tier = RemoteTier(url, StoredForms("model"), 2.0, 8)
+    blocks = 4
+    for name, hit in (("A", 0), ("B", 2)):
+        sched = make_scheduler(tmp_path / name, KVREEL_CHUNK_TOKENS=str(blocks * BS), KVREEL_REMOTE_URL=url)
+        req = request(name, 7, blocks)
+        req.all_token_ids = list(range(req.num_tokens))
+        sched.get_num_new_matched_tokens(req, hit * BS)              # vLLM's own hit: `hit` blocks
+        meta = sched.build_connector_meta(scheduler_output(
+            [new_request(req, list(range(10, 10 + blocks + 1)), hit * BS)], tokens={name: req.num_tokens - hit * BS}))
+        [op] = meta.stores
+        assert len(op.block_hashes) == blocks - hit
+        first = blocks - len(op.block_hashes)
+        rows = torch.arange(first, blocks, dtype=torch.uint8)         # each row holds its block's number
+        assert tier.put(op.key, op.block_hashes, rows.view(1, -1, 1).expand(1, -1, 64).contiguous())
+        assert tier.flush(60)
+        sched.remote.close()
+    lookups = RemoteLookups(url, "model", 2.0, wait_s=10)
+    pointers = lookups.poll("C", request("C", 7, blocks).block_hashes)
+    assert len(pointers) == blocks
+    for block, (key, row) in enumerate(pointers):
+        assert int(tier.get(key)[0, row, 0]) == block
+    lookups.close()
+    tier.close()

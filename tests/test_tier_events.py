@@ -49,3 +49,15 @@ def test_a_chunk_without_its_tokens_is_not_announced():
     events.stored(_chunk(30, tokens=True), Tier.DISK)
     sent = _sent(events)
     assert len(sent) == 1 and sent[0].token_ids == list(range(30, 30 + 2 * BS))
+
+
+def test_a_failed_upload_takes_back_exactly_the_blocks_it_announced():
+    events = TierEvents(BS)
+    uploaded = _chunk(40, tokens=True)
+    events.stored(uploaded, Tier.REMOTE)
+    events.upload_failed(uploaded.key)
+    events.upload_failed(uploaded.key)                     # reported twice (two workers): taken back once
+    events.upload_failed(b"\x01" * 32)                     # never announced (no tokens, or long ago)
+    stored, gone = _sent(events)
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == stored.block_hashes
+    assert (gone.medium, gone.locality, gone.ownership) == ("STORAGE", "REMOTE", REMOTE_OWNERSHIP)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvreel.codec.formats import ChunkError, ChunkUnavailable
+from kvreel.codec.formats import ChunkError, ChunkUnavailable, chunk_key
 from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import KVReelMetadata, LoadOp, LoadPiece, StoreOp
 from kvreel.connector.tiers import ChunkTier, Tier, TierChanges
@@ -117,13 +117,15 @@ def test_a_tier_that_goes_off_is_not_driven_until_it_comes_back():
 def test_a_remote_prefetch_goes_through_the_fetch_controller_into_host_memory(tmp_path):
     worker, cache, _ = worker_with_fake_disk({"KVREEL_REMOTE_URL": f"file://{tmp_path}"})
     try:
-        save(worker, StoreOp(KEY, [b"a" * 32, b"b" * 32], ([2, 5],), {Tier.REMOTE}))
+        hashes = [b"a" * 32, b"b" * 32]
+        key = chunk_key(hashes)                              # what the remote tier serves: a key naming its blocks
+        save(worker, StoreOp(key, hashes, ([2, 5],), {Tier.REMOTE}))
         assert worker.tiers[Tier.REMOTE].flush(60)
-        worker.start_load_kv(KVReelMetadata(prefetches=[(KEY, Tier.REMOTE), (b"\x09" * 32, Tier.REMOTE)]))
+        worker.start_load_kv(KVReelMetadata(prefetches=[(key, Tier.REMOTE), (b"\x09" * 32, Tier.REMOTE)]))
         worker._prefetcher.submit(lambda: None).result(timeout=60)          # the prefetches before it are done
-        assert torch.equal(worker.tiers[Tier.HOST].get(KEY), cache[:, [2, 5]])
+        assert torch.equal(worker.tiers[Tier.HOST].get(key), cache[:, [2, 5]])
         meta = worker.take_worker_meta()
-        assert meta.prefetched == {KEY: 1} and meta.prefetch_failed == {b"\x09" * 32}
+        assert meta.prefetched == {key: 1} and meta.prefetch_failed == {b"\x09" * 32}
         fetches = {k: v for k, v in worker.take_stats().data.items() if k.startswith("remote_fetches|")}
         assert sum(fetches.values()) == 2                    # both tried (in whichever form), counted as loads are
     finally:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvreel.codec.formats import chunk_key
 from kvreel.connector.config import KVReelConfig
 from kvreel.scheduler.kvreel_scheduler import KVReelScheduler
 from kvreel.connector.tiers import Tier
@@ -62,9 +63,14 @@ def make_scheduler(tmp_path, **env):
     return KVReelScheduler(cfg, "model", block_size=BS, bytes_per_block=1024)
 
 
+def agent_blocks(agent):
+    """The block hashes of ``agent``'s two-block prefix (one chunk)."""
+    return [bytes([ord(agent), j]) * 16 for j in range(2)]
+
+
 def agent_request(req_id, agent, wf=None):
     """A request whose prompt is ``agent``'s two-block prefix plus a partial block."""
-    return SimpleNamespace(request_id=req_id, block_hashes=[bytes([ord(agent), j]) * 16 for j in range(2)],
+    return SimpleNamespace(request_id=req_id, block_hashes=agent_blocks(agent),
                            num_tokens=2 * BS + 5, kv_transfer_params=wf.hints(agent) if wf else None)
 
 
@@ -125,12 +131,12 @@ def test_prefetch_brings_the_next_agents_prefix_into_host_memory(tmp_path):
     # while B runs, C (one step away, on disk only) is prefetched into room held by a further chunk
     request = agent_request("r5", "B", wf)
     sched.get_num_new_matched_tokens(request, 0)
-    c_key = bytes([ord("C"), 1]) * 16
+    c_key, c_block = chunk_key(agent_blocks("C")), agent_blocks("C")[-1]
     assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.DISK)]
     assert sched.build_connector_meta(scheduler_output()).prefetches == []     # issued once
-    assert Tier.HOST not in sched.store.holder(c_key).tiers                 # not offered before it has landed
+    assert Tier.HOST not in sched.store.holder(c_block).tiers                 # not offered before it has landed
     worker_said(sched, prefetched={c_key: 1})
-    assert Tier.HOST in sched.store.holder(c_key).tiers
+    assert Tier.HOST in sched.store.holder(c_block).tiers
     sched.request_finished(request)
     assert step(sched, "r6", "C", wf)[0] == Tier.HOST
     counts = sched.take_stats().data
@@ -143,12 +149,12 @@ def test_a_failed_prefetch_releases_its_room(tmp_path):
     for i, agent in enumerate("ABCD"):
         step(sched, f"r{i}", agent, wf)
     _, meta = step(sched, "r4", "A", wf)             # A ran: B, C within two steps; C on disk only
-    c_key = bytes([ord("C"), 1]) * 16
+    c_key, c_block = chunk_key(agent_blocks("C")), agent_blocks("C")[-1]
     assert meta.prefetches == [(c_key, Tier.DISK)]
     used = sched.host.used
     worker_said(sched, prefetch_failed={c_key})
     assert sched.host.used == used - CHUNK and c_key not in sched.host.lru
-    assert sched.store.holder(c_key).pins == 0
+    assert sched.store.holder(c_block).pins == 0
     assert sched.take_stats().data["prefetches|failed"] == 1
 
 
@@ -161,10 +167,10 @@ def test_a_chunk_gone_from_every_local_tier_is_prefetched_from_the_remote_store(
     wf = Workflow("w", LOOP)
     for i, agent in enumerate("ABCD"):                 # remote lookups find nothing: computed
         step(sched, f"r{i}", agent, wf)
-    c_key = bytes([ord("C"), 1]) * 16
-    assert c_key not in sched.store.index                    # D's admission evicted C: in the store only
+    c_key, c_block = chunk_key(agent_blocks("C")), agent_blocks("C")[-1]
+    assert c_block not in sched.store.index                    # D's admission evicted C: in the store only
     sched.get_num_new_matched_tokens(agent_request("r4", "A", wf), 0)
     assert sched.build_connector_meta(scheduler_output()).prefetches == [(c_key, Tier.REMOTE)]
     worker_said(sched, prefetched={c_key: 1})
-    assert sched.store.holder(c_key).tiers == {Tier.HOST}   # indexed again, in host memory
+    assert sched.store.holder(c_block).tiers == {Tier.HOST}   # indexed again, in host memory
     sched.remote.close()

@@ -2,7 +2,7 @@
 worker halves.
 
 Every tier stores whole chunks (a payload ``[regions, blocks, block_bytes]``
-of paged KV, keyed by the hash of the chunk's last block) behind the same
+of paged KV, keyed by the digest of its block hashes) behind the same
 interface, ``ChunkTier``; the worker drives every tier through that interface
 alone, so a new tier (an object store, a peer engine) is one file here. Each
 tier's scheduler half decides what it holds, in ``kvreel.scheduler``:

@@ -156,10 +156,11 @@ class RemoteTier(ChunkTier):
         return data
 
     def get(self, key: bytes, form: str = RAW) -> torch.Tensor:
-        """The verified payload of a remote chunk in one form (a damaged form is deleted)."""
+        """The verified payload of a remote chunk in one form (a damaged form, or
+        one that holds other blocks than ``key`` names, is deleted)."""
         data = self.get_form(key, form)
         try:
-            return self.forms.decode(form, data)
+            return self.forms.decode(form, data, key=key)
         except ChunkUnavailable:
             raise
         except ValueError:

@@ -158,7 +158,8 @@ class FetchController:
                 transmit_s: float) -> ChunkResult:
         t0 = time.perf_counter()
         try:
-            payload = self.forms.decode(form, data, on_regions=lambda first, rows: req.sink.part(index, first, rows))
+            payload = self.forms.decode(form, data, key=key,
+                                        on_regions=lambda first, rows: req.sink.part(index, first, rows))
         except Exception as e:  # noqa: BLE001 — damaged: drop it so it is not offered again
             self.tier.drop_form(key, form)
             return ChunkResult(index, None, e, form, len(data), transmit_s)
