@@ -227,8 +227,10 @@ class LoadPlanner:
     @staticmethod
     def recomputed(reqs: dict[str, RequestState], failed_requests: set[str], invalid_blocks: set[int]) -> None:
         """Requests whose load failed are recomputed by vLLM (whole, or from the
-        first failed block): what they compute then is stored anew."""
+        first failed block): what they compute then is stored anew, into the
+        remote store too (a chunk it failed to serve may be gone or refused)."""
         for req_id, st in reqs.items():
             if st.load is not None and (req_id in failed_requests or st.load[1] & invalid_blocks):
                 st.saved_upto = min(st.saved_upto, st.load[0])
+                st.from_remote.clear()
                 st.load = None

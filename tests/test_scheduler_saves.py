@@ -135,3 +135,30 @@ def test_engines_that_cut_a_chunk_differently_never_overwrite_each_other_in_the_
         assert int(tier.get(key)[0, row, 0]) == block
     lookups.close()
     tier.close()
+
+
+def test_blocks_the_store_failed_to_serve_are_uploaded_again_once_recomputed(tmp_path):
+    """A remote load failed (a damaged or refused chunk, which the fetch deleted):
+    vLLM recomputes the blocks, and kvreel stores them in the store again
+    (blocks that did load from the store are not uploaded back)."""
+    import torch
+
+    from kvreel.codec.formats import chunk_key
+    from kvreel.codec.forms import StoredForms
+    from kvreel.connector.tiers import Tier
+    from kvreel.connector.tiers.remote import RemoteTier
+    url = f"file://{tmp_path / 'store'}"
+    req = request("r", 7, 2)
+    tier = RemoteTier(url, StoredForms("model"), 2.0, 8)
+    assert tier.put(chunk_key(req.block_hashes), req.block_hashes, torch.zeros(1, 2, 64, dtype=torch.uint8))
+    assert tier.flush(60)
+    tier.close()
+    sched = make_scheduler(tmp_path / "local", KVREEL_REMOTE_URL=url, KVREEL_REMOTE_LOOKUP_WAIT_MS="1000")
+    assert sched.get_num_new_matched_tokens(req, 0) == (2 * BS, True)
+    sched.update_state_after_alloc(req, ([10, 11, 12],), 2 * BS)
+    meta = sched.build_connector_meta(scheduler_output([new_request(req, [10, 11, 12], 0)], tokens={"r": 0}))
+    assert [p.tier for op in meta.loads for p in op.pieces] == [Tier.REMOTE]
+    worker_said(sched, invalid_block_ids={10})                   # the fetch failed: vLLM recomputes from block 0
+    meta = sched.build_connector_meta(scheduler_output(cached=[(req, [], 0)], tokens={"r": 2 * BS + 5}))
+    assert [(op.block_hashes, Tier.REMOTE in op.tiers) for op in meta.stores] == [(req.block_hashes, True)]
+    sched.remote.close()
