@@ -172,8 +172,13 @@ def prefill_at_length(d: dict) -> Figure:
 
 
 def failover(d: dict) -> Figure:
-    return Figure(f"{d['failed']} of {d['requests']} requests failed, {d['wrong_tokens']} of "
-                  f"{d['checked_tokens']} answer tokens differ from an idle engine's", "1 run", 1)
+    """Every run of ``d``'s commit: fleet_failover.json, then fleet_failover_run2.json, ..."""
+    runs = [d] + [r for r in (load_results(p.stem) for p in sorted(RESULTS.glob("fleet_failover_run*.json")))
+                  if r["commit"] == d["commit"]]
+    total = {k: sum(r[k] for r in runs) for k in ("failed", "requests", "wrong_tokens", "checked_tokens")}
+    return Figure(f"{total['failed']} of {total['requests']} requests failed, {total['wrong_tokens']} of "
+                  f"{total['checked_tokens']} answer tokens differ from an idle engine's",
+                  "wrong tokens " + ", ".join(str(r["wrong_tokens"]) for r in runs), len(runs))
 
 
 HEADLINES = [
