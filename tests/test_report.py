@@ -73,3 +73,24 @@ def test_what_is_current_is_left_alone_and_the_rest_is_measured_again(tmp_path, 
     assert remeasure.why_stale("held_out") == "an interrupted run"
     (tmp_path / "held_out.json").write_text(json.dumps({**d, "commit": head + "+changes"}))
     assert remeasure.why_stale("held_out") == "unbacked: measured with uncommitted changes"
+
+
+def test_a_headline_counts_every_set_of_runs_on_the_current_code(tmp_path, monkeypatch):
+    """A benchmark run again on the same machine and code adds its runs to the
+    headline (not the better set alone); a set from another machine or older
+    code does not."""
+    import json
+    head = report.git("rev-parse", "HEAD")
+    first = report.git("rev-list", "--max-parents=0", "HEAD").split()[0]
+
+    def write(name, commit, machine, runs):
+        (tmp_path / f"{name}.json").write_text(json.dumps(
+            {"commit": commit, "machine": machine, "results": {"w": {"c": {"runs": [{"x": v} for v in runs]}}}}))
+    write("xbench", head, "m", [1, 2, 3])
+    write("xbench_set2", head, "m", [4, 5, 6])
+    write("xbench_set3", head, "another machine", [7])
+    write("xbench_set4", first, "m", [8])                    # the package changed since
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    d, files = report.with_later_sets("xbench", json.loads((tmp_path / "xbench.json").read_text()))
+    assert [r["x"] for r in d["results"]["w"]["c"]["runs"]] == [1, 2, 3, 4, 5, 6]
+    assert files == ["xbench.json", "xbench_set2.json"]
