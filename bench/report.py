@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import functools
 import json
 import statistics
@@ -29,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import PACKAGE_FOLDERS, RESULTS, load_results, machine_words  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
-PACKAGE = PACKAGE_FOLDERS
 # results written before save() recorded the script (``--name`` chose another name)
 OLDER_NAMES = {"no_reuse": "peers", "long_context_held_out": "long_context_suite", "prefill_alpha": "prefill_groups",
                "prefill_budget": "prefill_groups"}
@@ -57,11 +57,11 @@ def measures(script: Path | None) -> tuple[str, ...]:
     """The package paths a script's figures measure: its ``MEASURES`` (read, not
     imported: the scripts import vLLM), the whole package where it has none."""
     if script is None or not script.exists():
-        return PACKAGE
+        return PACKAGE_FOLDERS
     for node in ast.parse(script.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MEASURES" for t in node.targets):
             return tuple(ast.literal_eval(node.value))
-    return PACKAGE
+    return PACKAGE_FOLDERS
 
 
 @functools.cache
@@ -172,9 +172,8 @@ def prefill_at_length(d: dict) -> Figure:
 
 
 def failover(d: dict) -> Figure:
-    """Every run of ``d``'s commit: fleet_failover.json, then fleet_failover_run2.json, ..."""
-    runs = [d] + [r for r in (load_results(p.stem) for p in sorted(RESULTS.glob("fleet_failover_run*.json")))
-                  if r["commit"] == d["commit"]]
+    """Every run on the current code: fleet_failover.json and its later sets (one run each)."""
+    runs = [d] + [later for _, later in later_sets("fleet_failover", d)]
     total = {k: sum(r[k] for r in runs) for k in ("failed", "requests", "wrong_tokens", "checked_tokens")}
     return Figure(f"{total['failed']} of {total['requests']} requests failed, {total['wrong_tokens']} of "
                   f"{total['checked_tokens']} answer tokens differ from an idle engine's",
@@ -209,24 +208,33 @@ HEADLINES = [
 ]
 
 
-def with_later_sets(name: str, d: dict) -> tuple[dict, list[str]]:
-    """``d`` with the runs of each later set of the same benchmark appended
-    (``<name>_set<k>.json``: run again on the same machine, its package paths
-    unchanged since ``d``'s commit), so a headline counts every run measured on
-    the current code, never the better set alone; and the files it read."""
-    files = [f"{name}.json"]
+def later_sets(name: str, d: dict) -> list[tuple[str, dict]]:
+    """Each later set of the same benchmark (``<name>_set<k>.json``): run again
+    on the same machine, the package paths it measures unchanged since ``d``'s
+    commit (none while ``d`` itself is not current)."""
     paths = measures(script_of(name, d))
+    if status(d["commit"], paths) != "current":
+        return []
+    out = []
     for path in sorted(RESULTS.glob(f"{name}_set*.json")):
         later = json.loads(path.read_text())
-        if later["machine"] != d["machine"] or "results" not in later or \
-                status(d["commit"], paths) != "current" or status(later["commit"], paths) != "current":
-            continue
-        d = json.loads(json.dumps(d))
-        for workload, configs in later["results"].items():
-            for config, result in configs.items():
-                d["results"][workload][config]["runs"] += result["runs"]
-        files.append(path.name)
-    return d, files
+        if later["machine"] == d["machine"] and status(later["commit"], paths) == "current":
+            out.append((path.name, later))
+    return out
+
+
+def with_later_sets(name: str, d: dict) -> tuple[dict, list[str]]:
+    """``d`` with the runs of its later sets appended, so a headline counts every
+    run measured on the current code, never the better set alone; and the files
+    it read."""
+    sets = later_sets(name, d)
+    if "results" in d and sets:
+        d = copy.deepcopy(d)
+        for _, later in sets:
+            for workload, configs in later["results"].items():
+                for config, result in configs.items():
+                    d["results"][workload][config]["runs"] += result["runs"]
+    return d, [f"{name}.json", *(n for n, _ in sets)]
 
 
 def headline_table() -> str:
