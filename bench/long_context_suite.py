@@ -164,13 +164,16 @@ def main() -> None:
                                       "cases_wall_s_runs": [got["cases_s"]],
                                       "held_out_wall_s_runs": [got["held_out_s"]],
                                       "right_total_runs": [summary["right_total"]],
-                                      "held_out_top1_agreement_runs": [summary["held_out_top1_agreement"]]}
+                                      "held_out_top1_agreement_runs": [summary["held_out_top1_agreement"]],
+                                      "held_out_top1_agreement_by_position_runs": [
+                                          summary["held_out_top1_agreement_by_position"]]}
                 else:
                     r = results[label]
                     r["runs"] += 1
                     r["cases_wall_s_runs"].append(got["cases_s"])
                     r["held_out_wall_s_runs"].append(got["held_out_s"])
-                    for k in ("right_total", "held_out_top1_agreement"):     # the DRE's timing can move them
+                    for k in ("right_total", "held_out_top1_agreement",      # the DRE's timing can move them
+                              "held_out_top1_agreement_by_position"):
                         if f"{k}_runs" in r:      # absent where run 1 predates them: no list without run 1's value
                             r[f"{k}_runs"].append(summary[k])
                     r["same_as_first_run"] &= all(summary[k] == r[k]
@@ -199,6 +202,12 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
     reference = reference or got["top1"]
     positions = range(MIN_TOKENS, len(reference))
     agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
+    bands = {}                      # by position, in doublings from MIN_TOKENS: where the history is long enough
+    lo = MIN_TOKENS                 # to be narrowed (and prefill chunks select), past where it is not
+    while lo < len(reference):
+        hi = min(2 * lo, len(reference))
+        bands[f"{lo}-{hi}"] = sum(reference[p] == got["top1"][p] for p in range(lo, hi)) / (hi - lo)
+        lo = hi
     return {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
             "cases": len(cases), "per_case": right, "answers": got["answers"],
             "history_share": history_share(got["metrics"]),
@@ -206,6 +215,7 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "dre_tables": by_label(got["metrics"], "dre_tables"),
             "scored_tokens": by_label(got["metrics"], "scored_tokens"),
             "held_out_top1_agreement": agree,
+            "held_out_top1_agreement_by_position": bands,
             "held_out_history_share": history_share(got["held_out_metrics"]),
             "held_out_scored_tokens": by_label(got["held_out_metrics"], "scored_tokens"),
             "held_out_dre_tables": by_label(got["held_out_metrics"], "dre_tables"),

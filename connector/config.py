@@ -232,6 +232,12 @@ SETTINGS: tuple[Setting, ...] = (
             "pages (every block ranked by the most its keys could score with the step's queries, from their "
             "channel-wise bounds, as Quest does; computed in the worker, no DRE).",
             _one_of("clusters", "pages")),
+    Setting("RETRIEVAL_PREFILL_SELECT", str, "narrowed", "narrowed or always",
+            "Which prefill chunks of a long request select from its history: narrowed (only where the history "
+            "is at least twice KVREEL_RETRIEVAL_CANDIDATES times the budget, so clusters or pages narrow it; a "
+            "chunk over a shorter history attends to all of it, exactly, which costs it less than scoring "
+            "every history token for every query row) or always (every chunk selects, scoring every token "
+            "where nothing narrows).", _one_of("narrowed", "always")),
     _int_setting("RETRIEVAL_ROWS_PER_SET", 8, "A long request's query rows (a prefill chunk's tokens) that share "
                  "one working set: a chunk's rows are attended to in groups this size, each with the history its "
                  "own queries select, so a question inside a chunk finds its needle. Smaller: closer to per-token "

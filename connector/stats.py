@@ -49,7 +49,8 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                    "Workflow prefetches of chunks from disk into the host tier, by result: issued, used (loaded "
                    "by a request), wasted (evicted unused), failed", ("result",)),
     "retrieval_steps": ("vllm:kvreel_retrieval_steps_total",
-                        "Attention calls of long sequences, by outcome: exact (all history kept), selected, or "
+                        "Attention calls of long sequences, by outcome: exact (all history kept), whole (a prefill "
+                        "chunk over a history too short to narrow attended to all of it), selected, or "
                         "selected while the DRE was down (tokens it has not clustered are all scored)",
                         ("outcome",)),
     "retrieval_history_blocks": ("vllm:kvreel_retrieval_history_blocks_total",

@@ -216,7 +216,7 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
     layer, cache, meta, query = _batch([20 * BS + 3], [rows], 40, g)
     _offload(runtime, cache, meta, 0, "r", blocks=14)
     runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
-                                      retrieval_rows_per_set=per_set)
+                                      retrieval_rows_per_set=per_set, retrieval_prefill_select="always")
     pages = cache.view(cache.shape[0], H, 2 * BS, D)
     keys, values = PagePacking(BS, D, torch.bfloat16, layer.isa).unpack(pages[meta.block_table[0].long()])
     needles = (3 * BS + 7, 11 * BS + 30, 6 * BS + 1)             # one per group of rows
@@ -243,6 +243,36 @@ def test_a_prefill_chunk_attends_in_groups_each_to_what_its_own_rows_select(setu
                 w = torch.softmax(query[row, h * G:(h + 1) * G].float() @ k.T * D ** -0.5, dim=-1)
                 assert torch.allclose(out[row, h * G:(h + 1) * G].float(), w @ v, atol=2e-2, rtol=2e-2)
     assert runtime.take_stats().data["retrieval_steps|selected"] == 3
+
+
+def test_a_prefill_chunk_over_a_history_too_short_to_narrow_attends_to_all_of_it(setup):
+    """By default a prefill chunk selects only from a history that is narrowed
+    first; over a shorter one it attends to every history token, from kvreel's
+    copy (vLLM's pages are gone): the output vLLM computes over its own cache,
+    bit for bit, while a decoding row of the same request still selects."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    impl, runtime = setup
+    g = torch.Generator().manual_seed(12)
+    layer, cache, meta, query = _batch([20 * BS + 3], [70], 40, g)
+    want = torch.zeros(query.shape, dtype=torch.bfloat16)
+    CPUAttentionBackendImpl.forward(impl, layer, query, None, None, cache, meta, want)
+    _offload(runtime, cache, meta, 0, "r", blocks=14)
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
+                                      retrieval_rows_per_set=32)
+    assert runtime.prefill_attends_whole(runtime.histories["r"])
+    cache[meta.block_table[0, :14].long()] = 7
+    got = torch.zeros(query.shape, dtype=torch.bfloat16)
+    impl.forward(layer, query, None, None, cache, meta, got)
+    assert torch.equal(got, want)
+    stats = runtime.take_stats().data
+    assert stats["retrieval_steps|whole"] == 1 and "retrieval_steps|selected" not in stats
+    assert stats["retrieval_kept_blocks"] == stats["retrieval_history_blocks"] == 14
+    runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_prefill_select="always")
+    assert not runtime.prefill_attends_whole(runtime.histories["r"])
+    impl.forward(layer, query, None, None, cache, meta, got)
+    assert not torch.equal(got, want) and runtime.take_stats().data["retrieval_steps|selected"] == 3
 
 
 def test_a_new_choice_replaces_the_working_set_in_its_order(setup):

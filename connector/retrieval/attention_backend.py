@@ -97,17 +97,44 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
     def _attend_long(self, layer, query, kv_cache, meta, long_rows: dict[int, str], output) -> None:
         """Long rows attend to their working sets: a request with more query rows
         than ``KVREEL_RETRIEVAL_ROWS_PER_SET`` (a prefill chunk) that selects from
-        its history does so in groups of rows (``_attend_in_groups``); the others
-        (decode steps, short chunks, whole histories) in one kernel call."""
+        its history does so in groups of rows (``_attend_in_groups``), or attends
+        to all of it where it is too short to be narrowed (``_attend_to_all``);
+        the others (decode steps, short chunks, histories within the budget) in one
+        kernel call."""
         rt = self.runtime
         qsl = meta.query_start_loc.tolist()
-        grouped = {r: req for r, req in long_rows.items()
-                   if qsl[r + 1] - qsl[r] > rt.cfg.retrieval_rows_per_set and not rt.exact_for(rt.histories[req])}
-        whole = {r: req for r, req in long_rows.items() if r not in grouped}
-        if whole:
-            self._attend_together(layer, query, kv_cache, meta, whole, output)
-        for r, req_id in grouped.items():
-            self._attend_in_groups(layer, query, kv_cache, meta, r, req_id, output)
+        chunks = {r: req for r, req in long_rows.items()
+                  if qsl[r + 1] - qsl[r] > rt.cfg.retrieval_rows_per_set and not rt.exact_for(rt.histories[req])}
+        together = {r: req for r, req in long_rows.items() if r not in chunks}
+        if together:
+            self._attend_together(layer, query, kv_cache, meta, together, output)
+        for r, req_id in chunks.items():
+            if rt.prefill_attends_whole(rt.histories[req_id]):
+                self._attend_to_all(layer, query, kv_cache, meta, r, req_id, output)
+            else:
+                self._attend_in_groups(layer, query, kv_cache, meta, r, req_id, output)
+
+    def _attend_to_all(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
+        """Row ``r``'s chunk attends to its whole history, in token order, then its
+        resident blocks (``RetrievalRuntime.prefill_attends_whole``): page copies
+        into the runtime's scratch pages, one kernel call. Its history is below the
+        narrowing length, which bounds the scratch."""
+        rt = self.runtime
+        bs, H = rt.block_size, self.num_kv_heads
+        start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
+        hist = rt.histories[req_id]
+        n, seq_len = hist.num_blocks, int(meta.seq_lens[r])
+        resident = meta.block_table[r, n:-(-seq_len // bs)].long()
+        pages = kv_cache.view(kv_cache.shape[0], H, 2 * bs, -1)
+        buffer = rt.scratch(n + len(resident))
+        buffer[:n] = hist.layers[self.layer_index].pages[:n]
+        torch.index_select(pages, 0, resident, out=buffer[n:])
+        qsl = torch.tensor([0, end - start], dtype=meta.query_start_loc.dtype)
+        table = torch.arange(n + len(resident), dtype=meta.block_table.dtype).unsqueeze(0)
+        sub = self._metadata(layer, meta, query[start:end], qsl, meta.seq_lens[r:r + 1].clone(), table)
+        super().forward(layer, query[start:end], None, None, buffer.view(buffer.shape[0], H, bs, -1), sub,
+                        output[start:end])
+        rt.count_whole(hist)
 
     def _attend_in_groups(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
         """Row ``r``'s queries in groups of ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a group

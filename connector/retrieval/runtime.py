@@ -226,6 +226,24 @@ class RetrievalRuntime:
         return self.cfg.retrieval_narrowing == "clusters" and not self.exact_for(hist, extra) and \
             narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks), (blocks - 1) * self.block_size)
 
+    def prefill_attends_whole(self, hist: RequestHistory) -> bool:
+        """Whether a prefill chunk of this request attends to its whole history
+        (``KVREEL_RETRIEVAL_PREFILL_SELECT=narrowed``, a history too short to be
+        narrowed): a chunk's choice would score every history token for each of
+        its query rows, which is full attention's products already, and ranking
+        them costs more than attending to them all (a 512-token chunk over 8 K
+        tokens of SmolLM2-135M's shape on the development CPU: 120 ms choosing,
+        32 ms attending to all)."""
+        return self.cfg.retrieval_prefill_select == "narrowed" and not self.exact_for(hist) and not narrows(
+            self.cfg.retrieval_candidates, self.kept_tokens(hist.num_blocks), (hist.num_blocks - 1) * self.block_size)
+
+    def count_whole(self, hist: RequestHistory) -> None:
+        """A layer-step that attended to the whole history (``prefill_attends_whole``)."""
+        with self._stats_lock:
+            self.stats.add("retrieval_steps", label="whole")
+            self.stats.add("retrieval_history_blocks", hist.num_blocks)
+            self.stats.add("retrieval_kept_blocks", hist.num_blocks)
+
     def kept_tokens(self, blocks: int) -> int:
         """History tokens a layer attends to beside the sink block, for a history of ``blocks`` blocks."""
         return kept_tokens(self.cfg.retrieval_budget_share, self.cfg.retrieval_budget_tokens, self.block_size, blocks)
