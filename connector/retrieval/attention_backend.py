@@ -118,8 +118,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         """Row ``r``'s chunk attends to its whole history, in token order, then its
         resident blocks (``RetrievalRuntime.prefill_attends_whole``): page copies
         into the runtime's scratch pages, one kernel call. Its history is below the
-        narrowing length, which bounds the scratch (``KVREEL_RETRIEVAL_CANDIDATES=0``:
-        no bound, a layer's whole history)."""
+        narrowing length, which bounds the scratch."""
         rt = self.runtime
         bs, H = rt.block_size, self.num_kv_heads
         start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
