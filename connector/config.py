@@ -217,7 +217,8 @@ SETTINGS: tuple[Setting, ...] = (
     _int_setting("RETRIEVAL_CANDIDATES", 8, "How many times the budget's tokens a prefill chunk's step scores "
                  "exactly with its queries. A history at least twice that long is narrowed first by its DRE "
                  "clusters (ranked by centroid and by their keys' bounds), so a step's cost grows slower than "
-                 "the history; 0 scores every history token, every step.", 0, 1024),
+                 "the history; 0: never narrowed (a chunk then attends to the whole history, or with "
+                 "KVREEL_RETRIEVAL_PREFILL_SELECT=always scores every history token).", 0, 1024),
     _int_setting("RETRIEVAL_DECODE_CANDIDATES", 2, "Decoding steps (and chunks of at most "
                  "KVREEL_RETRIEVAL_ROWS_PER_SET tokens) attend to whole history blocks, copied as vLLM packed "
                  "them: the blocks holding most of their queries' attention, scored exactly among this many times "

@@ -70,7 +70,7 @@ COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 # label values exported at zero from start-up, so a dashboard (or a person
 # reading /metrics) finds the series before the first event
 KNOWN_LABEL_VALUES = {"tier": tuple(t.value for t in Tier),
-                      "outcome": ("exact", "selected", "dre_down"),
+                      "outcome": ("exact", "whole", "selected", "dre_down"),
                       "how": ("clustered", "extended"),
                       "by": ("keys", "clusters", "bounds"),
                       "result": ("issued", "used", "wasted", "failed")}

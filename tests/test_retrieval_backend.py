@@ -261,7 +261,7 @@ def test_a_prefill_chunk_over_a_history_too_short_to_narrow_attends_to_all_of_it
     _offload(runtime, cache, meta, 0, "r", blocks=14)
     runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_alpha=0.9, retrieval_budget_share=0.25,
                                       retrieval_rows_per_set=32)
-    assert runtime.prefill_attends_whole(runtime.histories["r"])
+    assert not impl._chunk_selects(runtime.histories["r"])
     cache[meta.block_table[0, :14].long()] = 7
     got = torch.zeros(query.shape, dtype=torch.bfloat16)
     impl.forward(layer, query, None, None, cache, meta, got)
@@ -270,7 +270,7 @@ def test_a_prefill_chunk_over_a_history_too_short_to_narrow_attends_to_all_of_it
     assert stats["retrieval_steps|whole"] == 1 and "retrieval_steps|selected" not in stats
     assert stats["retrieval_kept_blocks"] == stats["retrieval_history_blocks"] == 14
     runtime.cfg = dataclasses.replace(runtime.cfg, retrieval_prefill_select="always")
-    assert not runtime.prefill_attends_whole(runtime.histories["r"])
+    assert impl._chunk_selects(runtime.histories["r"])
     impl.forward(layer, query, None, None, cache, meta, got)
     assert not torch.equal(got, want) and runtime.take_stats().data["retrieval_steps|selected"] == 3
 

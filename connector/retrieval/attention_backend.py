@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvreel.connector.retrieval.plugin import engine_settings
 from kvreel.connector.retrieval.runtime import RetrievalRuntime
+from kvreel.connector.retrieval.selection import narrows
 from kvreel.connector.retrieval.working_set import write_history_pages
 from kvreel.connector.vllm_internals import cpu_attention_classes, cpu_scheduler_metadata, layer_index
 
@@ -109,16 +110,29 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         if together:
             self._attend_together(layer, query, kv_cache, meta, together, output)
         for r, req_id in chunks.items():
-            if rt.prefill_attends_whole(rt.histories[req_id]):
-                self._attend_to_all(layer, query, kv_cache, meta, r, req_id, output)
-            else:
+            if self._chunk_selects(rt.histories[req_id]):
                 self._attend_in_groups(layer, query, kv_cache, meta, r, req_id, output)
+            else:
+                self._attend_to_all(layer, query, kv_cache, meta, r, req_id, output)
+
+    def _chunk_selects(self, hist) -> bool:
+        """Whether a prefill chunk selects from the history ``hist`` rather than attend to
+        all of it: always with ``KVREEL_RETRIEVAL_PREFILL_SELECT=always``, else only where
+        the history is long enough to be narrowed. Below that, choosing would score every
+        history token for each of the chunk's rows (full attention's products already)
+        and then rank them: it costs more than attending to them all (a 512-token chunk
+        over 8 K tokens of SmolLM2-135M's shape on the development CPU: 120 ms choosing,
+        32 ms attending to all)."""
+        cfg, n = self.runtime.cfg, hist.num_blocks
+        return cfg.retrieval_prefill_select == "always" or narrows(
+            cfg.retrieval_candidates, self.runtime.kept_tokens(n), (n - 1) * self.runtime.block_size)
 
     def _attend_to_all(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
         """Row ``r``'s chunk attends to its whole history, in token order, then its
-        resident blocks (``RetrievalRuntime.prefill_attends_whole``): page copies
+        resident blocks (``_chunk_selects`` said it need not select): page copies
         into the runtime's scratch pages, one kernel call. Its history is below the
-        narrowing length, which bounds the scratch."""
+        narrowing length, which bounds the scratch (``KVREEL_RETRIEVAL_CANDIDATES=0``:
+        no bound, a layer's whole history)."""
         rt = self.runtime
         bs, H = rt.block_size, self.num_kv_heads
         start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
@@ -134,7 +148,7 @@ class RetrievalAttentionImpl(CPUAttentionBackendImpl):
         sub = self._metadata(layer, meta, query[start:end], qsl, meta.seq_lens[r:r + 1].clone(), table)
         super().forward(layer, query[start:end], None, None, buffer.view(buffer.shape[0], H, bs, -1), sub,
                         output[start:end])
-        rt.count_whole(hist)
+        rt.count_choice(hist, "whole", n, {})
 
     def _attend_in_groups(self, layer, query, kv_cache, meta, r: int, req_id: str, output) -> None:
         """Row ``r``'s queries in groups of ``KVREEL_RETRIEVAL_ROWS_PER_SET``: a group

@@ -226,24 +226,6 @@ class RetrievalRuntime:
         return self.cfg.retrieval_narrowing == "clusters" and not self.exact_for(hist, extra) and \
             narrows(self.cfg.retrieval_candidates, self.kept_tokens(blocks), (blocks - 1) * self.block_size)
 
-    def prefill_attends_whole(self, hist: RequestHistory) -> bool:
-        """Whether a prefill chunk of this request attends to its whole history
-        (``KVREEL_RETRIEVAL_PREFILL_SELECT=narrowed``, a history too short to be
-        narrowed): a chunk's choice would score every history token for each of
-        its query rows, which is full attention's products already, and ranking
-        them costs more than attending to them all (a 512-token chunk over 8 K
-        tokens of SmolLM2-135M's shape on the development CPU: 120 ms choosing,
-        32 ms attending to all)."""
-        return self.cfg.retrieval_prefill_select == "narrowed" and not self.exact_for(hist) and not narrows(
-            self.cfg.retrieval_candidates, self.kept_tokens(hist.num_blocks), (hist.num_blocks - 1) * self.block_size)
-
-    def count_whole(self, hist: RequestHistory) -> None:
-        """A layer-step that attended to the whole history (``prefill_attends_whole``)."""
-        with self._stats_lock:
-            self.stats.add("retrieval_steps", label="whole")
-            self.stats.add("retrieval_history_blocks", hist.num_blocks)
-            self.stats.add("retrieval_kept_blocks", hist.num_blocks)
-
     def kept_tokens(self, blocks: int) -> int:
         """History tokens a layer attends to beside the sink block, for a history of ``blocks`` blocks."""
         return kept_tokens(self.cfg.retrieval_budget_share, self.cfg.retrieval_budget_tokens, self.block_size, blocks)
@@ -271,7 +253,7 @@ class RetrievalRuntime:
             tally: dict = {}
             blocks = choose_blocks(lh, queries, self.cfg.retrieval_alpha, self.kept_tokens(hist.num_blocks),
                                    self.cfg.retrieval_decode_candidates, self._temporaries, tally)
-            self._count_choice(hist, dre_down, blocks.shape[1], tally)
+            self.count_choice(hist, "dre_down" if dre_down else "selected", blocks.shape[1], tally)
             ws.hold_blocks(lh, blocks)
         else:
             ws.hold(lh, self.choose_in_groups(req_id, layer, queries, queries.shape[1])[0])
@@ -288,7 +270,8 @@ class RetrievalRuntime:
                                          self.kept_tokens(hist.num_blocks), self.cfg.retrieval_candidates,
                                          self.cfg.retrieval_narrowing, self._temporaries, tally)
         for tokens in chosen:
-            self._count_choice(hist, dre_down, tokens.shape[1] // self.block_size, tally)
+            self.count_choice(hist, "dre_down" if dre_down else "selected", tokens.shape[1] // self.block_size,
+                              tally)
             tally = {}                         # the call's scoring counts once, not per group
         return chosen
 
@@ -304,9 +287,9 @@ class RetrievalRuntime:
             self.dre.send(client, req_id, layer, lh, lh.dre_keys(), self.block_size, self.working.get((req_id, layer)))
         return clustered and client is None
 
-    def _count_choice(self, hist: RequestHistory, dre_down: bool, kept_blocks: int, tally: dict) -> None:
+    def count_choice(self, hist: RequestHistory, outcome: str, kept_blocks: int, tally: dict) -> None:
         with self._stats_lock:            # once per layer-step: one lock for them all
-            self.stats.add("retrieval_steps", label="dre_down" if dre_down else "selected")
+            self.stats.add("retrieval_steps", label=outcome)
             self.stats.add("retrieval_history_blocks", hist.num_blocks)
             self.stats.add("retrieval_kept_blocks", kept_blocks)
             for by, tokens in tally.items():
