@@ -21,7 +21,9 @@ moves them). Results are written after every engine; a run of the same commit
 and settings that was interrupted goes on where it stopped, and full attention
 (plain vLLM, no kvreel code) is kept from a run of any commit with the same
 settings, inputs, vLLM version and CPU (its vector ISA and vLLM's attention
-kernel), its own commit and machine recorded beside it. Each run hands its
+kernel), its own commit and machine recorded beside it (``--baseline-anew``:
+measured in this run too, as ``bench/remeasure.py`` asks for the timed 32K
+headline, so its ratio compares runs of one session). Each run hands its
 engines its cases from a folder of its own, so two suites (other names) can
 run side by side, each on a core of its own (``VLLM_CPU_OMP_THREADS_BIND=0``
 and ``=1``), where only answers are wanted.
@@ -119,6 +121,8 @@ def main() -> None:
                     "their medians, every run's is kept, and whether answers matched the first run's")
     ap.add_argument("--yarn", type=float, default=0, help="stretch the model's RoPE by YaRN this factor (vLLM's "
                     "hf_overrides), full attention and retrieval alike: 4 takes SmolLM2's 8K to 32K")
+    ap.add_argument("--baseline-anew", action="store_true", help="measure full attention in this run even where "
+                    "an earlier run's could be kept: a timed ratio then compares runs of one session")
     ap.add_argument("--name", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -139,7 +143,8 @@ def main() -> None:
     inputs_sha256 = hashlib.sha256(json.dumps([[c.prompt_ids for c in cases], held_out]).encode()).hexdigest()
     import vllm
     here = machine()
-    results = resumed(name, settings, [c.tokens for c in cases], inputs_sha256, vllm.__version__, here)
+    results = resumed(name, settings, [c.tokens for c in cases], inputs_sha256, vllm.__version__, here,
+                      a.baseline_anew)
     with scratch("kvreel-long-context-suite-") as tmp:
         work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
         work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
@@ -223,12 +228,12 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
 
 
 def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: str, vllm_version: str,
-            here: dict) -> dict:
+            here: dict, baseline_anew: bool = False) -> dict:
     """What an earlier run already measured: every configuration where that run was
     interrupted on this commit, else full attention alone (plain vLLM runs no
     kvreel code) where the settings, inputs, vLLM version and CPU are the same
     (vLLM's CPU kernels differ by vector ISA and attention kernel, which can
-    move near ties)."""
+    move near ties) and ``baseline_anew`` is not asked for."""
     path = RESULTS / f"{name}.json"
     if not path.exists() or "+changes" in STARTED_AT:
         return {}
@@ -240,6 +245,8 @@ def resumed(name: str, settings: dict, case_tokens: list[int], inputs_sha256: st
         return {}
     results = {label: {"commit": old["commit"], "machine": old["machine"], **r}
                for label, r in old["results"].items()}
+    if old["commit"] != STARTED_AT and baseline_anew:
+        return {}
     kept = results if old["commit"] == STARTED_AT else {"full attention": results["full attention"]}
     if any(r["machine"].get(k) != here.get(k) for r in kept.values()
            for k in ("cpu_isa", "bf16_products", "attention_isa")):

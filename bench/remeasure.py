@@ -44,7 +44,7 @@ COMMANDS: dict[str, list[str]] = {
     "long_context_held_out_32k_yarn4_smollm2-135m": [
         "long_context_suite.py", "--model", "{smollm2}", "--lengths", "32000", "--cases", "0",
         "--configs", "resv:0.125,mosaic:0.125", "--yarn", "4", "--held-out-tokens", "32000",
-        "--runs", "3", "--name", "long_context_held_out_32k_yarn4_smollm2-135m"],
+        "--runs", "3", "--baseline-anew", "--name", "long_context_held_out_32k_yarn4_smollm2-135m"],
     "long_session": ["long_session.py", "--model", "{tinycode}"],
 }
 TIMED_RUNS = 3          # a timed figure is a median of at least this many runs
