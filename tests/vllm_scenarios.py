@@ -135,23 +135,35 @@ class EventSubscriber:
 
 
 def kill_matching(program: str) -> None:
-    """SIGKILL every process with ``program`` as one whole argument of its command
-    line (``python -m program``; forked engine processes carry this script's
-    arguments, which only contain it)."""
+    """SIGKILL every process this scenario started (its descendants) with
+    ``program`` as one whole argument of its command line (``python -m program``;
+    forked engine processes carry this script's arguments, which only contain
+    it). Processes of tests running beside this one are left alone."""
     import signal
     from pathlib import Path
+
+    def parent(pid: str) -> str:
+        stat = (Path("/proc") / pid / "stat").read_text()
+        return stat.rpartition(")")[2].split()[1]      # the command name may hold spaces and ")"
+
+    mine = str(os.getpid())
     killed = 0
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        if not proc.name.isdigit() or proc.name == mine:
             continue
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if program.encode() not in argv:
+                continue
+            ancestor = parent(proc.name)
+            while ancestor not in (mine, "0", "1"):
+                ancestor = parent(ancestor)
         except OSError:
             continue
-        if program.encode() in argv:
+        if ancestor == mine:
             os.kill(int(proc.name), signal.SIGKILL)
             killed += 1
-    assert killed, f"no process runs {program!r}"
+    assert killed, f"no process of this scenario runs {program!r}"
 
 
 def track_block_ids(llm) -> dict[int, list[int]]:
