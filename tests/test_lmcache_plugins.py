@@ -32,6 +32,20 @@ from kvreel.connector.lmcache.kv_object import decode_object, encode_object
 LAYOUT = MemoryLayoutDesc(shapes=[torch.Size([2, 2, 32, 128])], dtypes=[torch.bfloat16])
 
 
+@pytest.fixture(autouse=True)
+def _no_prometheus_dir_afterwards():
+    """LMCache's in-process metrics set PROMETHEUS_MULTIPROC_DIR (a fixed path under
+    /tmp) for the whole process where it is unset. Left there, every vLLM server a
+    later test starts from this process inherits it, and its /metrics then sums the
+    counters of every server that ever wrote into that folder. Put back after each test."""
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    yield
+    if before is None:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
+
+
 def kv_like(shape, seed):
     """KV-like values: smooth along tokens, per-channel scale (compressible, like real KV)."""
     g = torch.Generator().manual_seed(seed)
