@@ -26,10 +26,6 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # The Docker stack (about 8 minutes on 2 cores) first: run two files at a
-    # time, the other worker takes the rest meanwhile; started last, it ran alone
-    # at the end (CI 42 instead of 33 minutes).
-    items.sort(key=lambda item: "docker" not in item.keywords)
     if not has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
