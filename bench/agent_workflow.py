@@ -40,7 +40,7 @@ from shaper import Shaper  # noqa: E402
 from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
 from kvreel.cli.server_process import stop_server  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "codec", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 POLICIES = {"lru": {"KVREEL_EVICTION": "lru"},
             "workflow": {"KVREEL_EVICTION": "workflow", "KVREEL_PREFETCH_DEPTH": "0"},

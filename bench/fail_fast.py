@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import CONNECTOR, engine_env, save, save_figure  # noqa: E402
 
-MEASURES = ("connector", "cli")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "cli", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 BAD = {"KVREEL_CPU_BYTES": "lots"}
 GOAL_S = 3.0

@@ -41,7 +41,7 @@ from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
 from kvreel.cli.server_process import stop_server, wait_healthy  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "codec", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 CONFIGS = {"plain+round_robin": (False, "round_robin"), "plain+cache_aware": (False, "cache_aware"),
            "plain+kv_aware": (False, "kv_aware"), "kvreel+round_robin": (True, "round_robin"),

@@ -34,7 +34,7 @@ from soak import greedy_gaps  # noqa: E402
 
 from kvreel.cli.server_process import stop_server  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "codec", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 
 def complete(base: str, model: str, prompt: list[int], max_tokens: int) -> dict:

@@ -66,7 +66,7 @@ from kvreel.cli.serve import CONNECTOR_JSON  # noqa: E402
 from kvreel.cli.server_process import stop_server  # noqa: E402
 from kvreel.connector.config import format_bytes, parse_bytes  # noqa: E402
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 CONFIGS = ("vllm", "vllm-ceiling", "kvreel-ceiling", "lmcache-mem", "kvreel-host", "lmcache-disk", "kvreel-disk",
            "lmcache+kvreel", "kvreel-redis", "kvreel-host-step", "kvreel-ceiling-step")

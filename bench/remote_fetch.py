@@ -36,7 +36,7 @@ from common import (equal_cpu_split, machine_words, plot_lines, python_source_co
 from ttft_reload import CONNECTOR, make_llm, ttft  # noqa: E402
 from ttft_reload import close as close_engine  # noqa: E402
 
-MEASURES = ("connector", "scheduler", "codec")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "codec", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 RATES_GBPS = (1, 4, 16, 40)
 # every fixed form, and the per-chunk choice, in both parts

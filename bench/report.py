@@ -52,15 +52,26 @@ def script_of(name: str, result: dict) -> Path | None:
     return ROOT / "bench" / f"{stem}.py" if stem else None
 
 
+# Files whose code runs only in a layer-step of retrieval attention: every vLLM process
+# with kvreel's plugin imports them, but only KVREEL_RETRIEVAL calls them. A script
+# whose ``MEASURES`` name "retrieval off" (it never turns retrieval on) leaves them out.
+RETRIEVAL_STEP_ONLY = tuple(f":(exclude)connector/retrieval/{name}.py"
+                            for name in ("selection", "cluster_ranking", "scoring", "working_set", "history"))
+
+
 @functools.cache
 def measures(script: Path | None) -> tuple[str, ...]:
     """The package paths a script's figures measure: its ``MEASURES`` (read, not
-    imported: the scripts import vLLM), the whole package where it has none."""
+    imported: the scripts import vLLM; "retrieval off": without
+    ``RETRIEVAL_STEP_ONLY``), the whole package where it has none."""
     if script is None or not script.exists():
         return PACKAGE_FOLDERS
     for node in ast.parse(script.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "MEASURES" for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
+            paths = tuple(ast.literal_eval(node.value))
+            if "retrieval off" in paths:
+                paths = tuple(p for p in paths if p != "retrieval off") + RETRIEVAL_STEP_ONLY
+            return paths
     return PACKAGE_FOLDERS
 
 

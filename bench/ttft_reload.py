@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, equal_cpu_split, load_results, machine_words, plot_lines,  # noqa: E402
                     python_source_corpus, save)
 
-MEASURES = ("connector", "scheduler")  # the package paths its figures measure (bench/report.py)
+MEASURES = ("connector", "scheduler", "retrieval off")  # the package paths its figures measure (bench/report.py)
 
 
 

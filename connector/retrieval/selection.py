@@ -38,7 +38,10 @@ def select_in_groups(queries: torch.Tensor, keys: torch.Tensor, alpha: float, co
     k = min(count, keys.shape[1])
     if k <= 0:
         return [torch.empty(H, 0, dtype=torch.int64, device=keys.device)] * -(-R // group_rows)
-    q = queries.to(scoring_dtype(keys.dtype, keys.device.type)) * queries.shape[-1] ** -0.5
+    dtype = scoring_dtype(keys.dtype, keys.device.type)
+    q = queries.to(dtype) * queries.shape[-1] ** -0.5
+    if R > ROWS_AT_ONCE and keys.shape[1] <= 2 * SCORE_BLOCK:    # passes over a few candidates: convert them once
+        keys = keys.to(dtype).contiguous()
     if group_rows > ROWS_AT_ONCE:
         return [_select_over_passes(q[:, a:a + group_rows], keys, alpha, k, unit) for a in range(0, R, group_rows)]
     per_pass = ROWS_AT_ONCE // group_rows * group_rows
