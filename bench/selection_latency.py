@@ -12,7 +12,9 @@ keys sent to a DRE process the runtime starts itself, labels back), then
 most 4 096 tokens), timed for a decode step (one query token), and
 ``RetrievalRuntime.choose_in_groups`` for a 512-token prefill chunk in the
 default's groups (``KVREEL_RETRIEVAL_ROWS_PER_SET`` tokens each, several groups
-to a scoring pass; the choice only, not the writing of the groups' pages).
+to a scoring pass), and apart from it (``served chunk write``) the writing of
+the groups' chosen tokens into pages as ``_attend_in_groups`` does.
+``--kv-heads 3``: SmolLM2-135M's shape (3 KV heads of 3 query heads each).
 Every figure is the median of ``--repeat`` steps, measured in ``--rounds``
 rounds; the JSON holds each round and their median. Per history length:
 
@@ -48,6 +50,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import plot_lines, save  # noqa: E402
 from kvreel.connector.retrieval.selection import narrows  # noqa: E402
+from kvreel.connector.retrieval.working_set import write_history_pages  # noqa: E402
 
 MEASURES = ("connector/retrieval", "dre")  # the package paths its figures measure (bench/report.py)
 
@@ -105,11 +108,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--method", default="resv", choices=("resv", "mosaic"))
+    ap.add_argument("--kv-heads", type=int, default=H, help="KV heads of the layer (3: SmolLM2-135M's shape)")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--page-candidates", type=int, default=2,
                     help="KVREEL_RETRIEVAL_CANDIDATES of the KVREEL_RETRIEVAL_NARROWING=pages runtime")
     a = ap.parse_args()
+    global H
+    H = a.kv_heads                      # the layer's shape, read by pages_for and runtime_for
     rows = []
     runtimes = {"served": runtime_for(a.method, None), "decode as chunks": runtime_for(a.method, None, decode=0),
                 "every token": runtime_for(a.method, 0, decode=0),
@@ -148,6 +154,10 @@ def main() -> None:
             for step, fn in (("decode", lambda: rt.working_set(req, 0, q_decode)),
                              ("chunk", lambda: rt.choose_in_groups(req, 0, q_chunk, per_set))):
                 rounds(row, f"{name} {step} ms", fn, a)
+            if name == "served":
+                tokens = torch.cat(rt.choose_in_groups(req, 0, q_chunk, per_set), 1)
+                written = torch.empty(tokens.shape[1] // BLOCK, H, 2 * BLOCK, D, dtype=torch.bfloat16)
+                rounds(row, "served chunk write ms", lambda: write_history_pages(written, lh, tokens), a)
             row["kept_tokens"] = rt.working[req, 0].m * BLOCK
             rt.drop(req)
         keys = k.transpose(0, 1).float().unsqueeze(0)
@@ -159,7 +169,7 @@ def main() -> None:
                 queries, keys, values, enable_gqa=True), a)
         rows.append(row)
         print(row, flush=True)
-    name = "selection_latency" + ("_mosaic" if a.method == "mosaic" else "")
+    name = "selection_latency" + ("_mosaic" if a.method == "mosaic" else "") + (f"_{H}kv" if H != 2 else "")
     settings = {"method": a.method, "kv_heads": H, "query_heads_per_kv": G, "head_dim": D, "block_size": BLOCK,
                 "prefill_chunk_tokens": CHUNK, "repeat": a.repeat, "rounds": a.rounds, "budget": "defaults: 1/8 of the history, at most 4096 tokens",
                 "dre": "a process started by the runtime (one torch thread, nice 10), as served"}
@@ -167,8 +177,9 @@ def main() -> None:
     x = [r["history_tokens"] for r in rows]
     series = {f"{n} {s}": [r[f"{n} {s} ms"] for r in rows]
               for s in ("decode", "chunk") for n in (*runtimes, "full attention")}
+    series["served chunk write"] = [r["served chunk write ms"] for r in rows]
     plot_lines(name, x, series, "history tokens", "ms per layer-step (median)",
-               f"working-set choice per layer-step vs full attention ({a.method}; tinycode-16m shape, block 128, "
+               f"working-set choice per layer-step vs full attention ({a.method}; {H} KV heads, block 128, "
                f"2-core x86 CPU; each point the median of {a.rounds} rounds of {a.repeat} steps)", logy=True)
     print(f"wrote {path}")
 
