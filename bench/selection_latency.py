@@ -105,6 +105,7 @@ def rounds(row: dict, key: str, fn, a) -> None:
 
 
 def main() -> None:
+    global H
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--method", default="resv", choices=("resv", "mosaic"))
@@ -114,7 +115,6 @@ def main() -> None:
     ap.add_argument("--page-candidates", type=int, default=2,
                     help="KVREEL_RETRIEVAL_CANDIDATES of the KVREEL_RETRIEVAL_NARROWING=pages runtime")
     a = ap.parse_args()
-    global H
     H = a.kv_heads                      # the layer's shape, read by pages_for and runtime_for
     rows = []
     runtimes = {"served": runtime_for(a.method, None), "decode as chunks": runtime_for(a.method, None, decode=0),
