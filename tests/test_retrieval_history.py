@@ -97,6 +97,23 @@ def test_a_histories_tokens_come_back_byte_exactly_whatever_the_packing_keeps_in
         H * BS * D * 2                                    # a bf16 value per token, head and channel
 
 
+def test_a_working_set_written_in_pieces_holds_every_chosen_tokens_bytes(monkeypatch):
+    """``write_history_pages`` gathers and packs ``WRITE_AT_ONCE`` positions at a time:
+    a run of several pieces and a partial last one reads back, position by
+    position, the bytes of the tokens chosen (repeats too)."""
+    from kvreel.connector.retrieval import working_set
+    lh, k, v = history()
+    lh.append(pages_of(k, v), 0)
+    monkeypatch.setattr(working_set, "WRITE_AT_ONCE", 2 * BS)
+    tokens = torch.randint(0, 12 * BS, (H, 7 * BS), generator=torch.Generator().manual_seed(5))
+    pages = torch.zeros(7, H, 2 * BS, D, dtype=torch.bfloat16)
+    working_set.write_history_pages(pages, lh, tokens)
+    got_k, got_v = packing().unpack(pages)
+    for h in range(H):
+        assert torch.equal(got_k[:, h].view(torch.int16), k[tokens[h], h].view(torch.int16))
+        assert torch.equal(got_v[:, h].view(torch.int16), v[tokens[h], h].view(torch.int16))
+
+
 def test_the_host_budget_is_charged_what_a_history_block_holds():
     from kvreel.connector.retrieval.history import history_bytes_per_block
     from kvreel.connector.retrieval.scoring import scoring_dtype
