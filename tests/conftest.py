@@ -35,8 +35,8 @@ def pytest_collection_modifyitems(config, items):
     # time (`-n 2 --dist loadfile --no-loadscope-reorder`, which keeps this order;
     # xdist's own puts the files with most tests first), the 8-minute Docker stack
     # starts at once and quick files fill the end. Started last, it ran alone at
-    # the end: CI 42 instead of 33 minutes.
-    rank: dict[str, int] = {}
+    # the end (on the AMX Xeon: CI 42 minutes, 33 where it happened to start early).
+    rank: dict[Path, int] = {}
     for item in items:
         rank[item.path] = min(rank.get(item.path, 2), _start_rank(item))
     items.sort(key=lambda item: rank[item.path])
