@@ -5,12 +5,14 @@ cached tokens from its own prefix cache (a prefix-cache hit is not bitwise equal
 to a cold prefill); with no reuse it is plain vLLM. Token ids and logprobs are
 compared bit for bit (logprobs travel as float.hex).
 
-On some CPUs (oneDNN's AMX kernels on Intel Xeons) plain vLLM itself is not
-bit-reproducible from one fresh engine to the next for the longer prompts.
-Where kvreel's outputs differ from plain vLLM's, plain vLLM runs once more:
-if it reproduces itself, the difference is kvreel's and the test fails; if
-not, kvreel must agree as two plain engines do (same greedy tokens up to an
-exact tie, logprobs within bf16 rounding)."""
+Engines run in the scenario's process (tests/conftest.py), so a phase's
+prompts share every step as they do in plain vLLM's. On some CPUs (oneDNN's
+AMX kernels on Intel Xeons) plain vLLM itself was not bit-reproducible from one
+fresh engine to the next for the longer prompts. Where kvreel's outputs differ
+from plain vLLM's, plain vLLM runs once more: if it reproduces itself, the
+difference is kvreel's and the test fails; if not, kvreel must agree as two
+plain engines do (same greedy tokens up to an exact tie, logprobs within bf16
+rounding)."""
 
 from __future__ import annotations
 
@@ -57,10 +59,8 @@ def assert_same(plain_args: dict, plain: dict, reel: dict, plain_phases: list[in
     """Every output of kvreel's phases is that of plain vLLM's phases (all, or
     ``plain_phases``): bit for bit one that a plain engine gave, and where none
     did, bit for bit if every plain engine gave the same outputs, else as close
-    as two plain engines are (plain vLLM does not always reproduce itself
-    across engines: with the engine core in its own process, prompts submitted
-    together may start a step apart; on a 2-core AMX Xeon one output in two
-    plain engines differed in its last bits)."""
+    as two plain engines are (on a 2-core AMX Xeon one output in two plain
+    engines differed in its last bits)."""
     def outputs(run: dict, phases) -> list[dict]:
         return [o for i in phases for o in run["phases"][i]]
 
@@ -99,8 +99,7 @@ def test_reuse_after_prefix_cache_reset_is_exact(tiny_model):
     assert m["vllm:kvreel_loaded_bytes_total|host"] > 0 and m["vllm:kvreel_saved_bytes_total|host"] > 0
 
 
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",     # the scheduler's block ids are the test's to read
-              "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # vLLM's collective_rpc sends the page readers to its worker
+PAGE_READERS = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # vLLM's collective_rpc sends them to its worker
 PAIR = [tokens(420, 101), tokens(540, 102)]      # 6 and 8 full blocks of 64 tokens
 
 
@@ -109,7 +108,7 @@ def test_restored_pages_are_the_bytes_the_engine_computed(wide_model, tmp_path, 
     """The pages kvreel restores, into a cache overwritten after vLLM's prefix
     cache was reset, are byte for byte the pages the engine computed."""
     kv = {"cpu_bytes": "256MiB"} if tier == "host" else {"cpu_bytes": "0", "disk_dir": str(tmp_path / "disk")}
-    got = run_scenario({"model": wide_model, "kvreel": kv, "block_size": 64, "prompts": PAIR, "env": IN_PROCESS},
+    got = run_scenario({"model": wide_model, "kvreel": kv, "block_size": 64, "prompts": PAIR, "env": PAGE_READERS},
                        name="restored_pages")
     computed, restored = got["computed"], got["restored"]
     assert [o["num_cached_tokens"] for o in restored["outputs"]] == [384, 512]
@@ -144,13 +143,16 @@ def test_reuse_after_eviction_from_tiny_kv_space(tiny_model):
 def test_reuse_from_disk_after_engine_restart(tiny_model, tmp_path):
     disk = str(tmp_path / "disk")
     cfg = {"cpu_bytes": "64MiB", "disk_dir": disk}
-    plain = {"model": tiny_model, "phases": [{"prompts": [P_LONG, P_SHORT]}, {"prompts": [P_LONG, P_SHORT]}]}
+    # Disk hits load asynchronously, each as its own read completes: a restored prompt
+    # runs alone in its phase, so its steps hold what they hold in plain vLLM's.
+    alone = [{"prompts": [P_LONG]}, {"prompts": [P_SHORT]}]
+    plain = {"model": tiny_model, "phases": [{"prompts": [P_LONG, P_SHORT]}, *alone]}
     base = run_scenario(plain)
     reel = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P_LONG, P_SHORT]}]})
     files = glob.glob(f"{disk}/*/rank0/*/*.kvr")
     assert len(files) == 4          # P_LONG: chunks of 8+8+2 blocks; P_SHORT: 3 blocks
-    again = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": [{"prompts": [P_LONG, P_SHORT]}]})
-    assert_same(plain, base, again, plain_phases=[1])
+    again = run_scenario({"model": tiny_model, "kvreel": cfg, "phases": alone})
+    assert_same(plain, base, again, plain_phases=[1, 2])
     assert again["metrics"]["vllm:kvreel_lookup_hit_blocks_total|disk"] == 18 + 3
     assert "4 chunks found" in again["log"]
     assert reel["phases"][0][0]["num_cached_tokens"] == 0

@@ -2,12 +2,8 @@
 vLLM's hybrid KV cache manager stays on, so sliding-window layers keep only
 their window, and kvreel stores and restores each KV cache group exactly.
 
-The engine core runs in the test's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-every prompt of a phase is queued before the first step, so batches do not
-depend on when requests reach a separate engine process, and kvreel's outputs
-are compared with plain vLLM's bit for bit (with vLLM's engine in a process of
-its own, a second prompt may join one step later, which moves logprobs in
-their last bits, connector or not)."""
+Outputs are compared with plain vLLM's bit for bit (the engine core runs in the
+scenario's process, so a phase's prompts share every step as in plain vLLM's)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ pytestmark = pytest.mark.vllm
 
 P, Q = tokens(700, 1), tokens(300, 2)
 LONG = tokens(1500, 3)
-ENGINE = {"num_blocks": 200, "max_model_len": 2048, "max_num_batched_tokens": 128,      # chunked prefill
-          "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+ENGINE = {"num_blocks": 200, "max_model_len": 2048, "max_num_batched_tokens": 128}      # chunked prefill
 HMA_OFF = "Hybrid KV cache manager is disabled"
 
 

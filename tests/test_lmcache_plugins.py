@@ -311,8 +311,12 @@ def test_lmcache_mp_server_with_kvreel_l2_serves_vllm_exactly(tiny_model, tmp_pa
     prompt = tokens(600, 3)
     mp = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
     store = f"file://{tmp_path / 'store'}"
-    base = run_scenario({"model": tiny_model, "phases": [{"prompts": [prompt]},
-                                                         {"prompts": [prompt]}]})
+    # vLLM's engine core in its own process, as LMCache's users run it: with it in the
+    # scenario's process, vLLM 0.32's CPU kernel overrides trip over a module LMCache
+    # imports ('_lib_fn_wrapper' object has no attribute 'get')
+    engine_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    base = run_scenario({"model": tiny_model, "env": engine_process, "phases": [{"prompts": [prompt]},
+                                                                                {"prompts": [prompt]}]})
     results = []
     for i in range(2):   # the second server starts with an empty L1: hits come from kvreel's store
         port = free_port()
@@ -320,7 +324,7 @@ def test_lmcache_mp_server_with_kvreel_l2_serves_vllm_exactly(tiny_model, tmp_pa
         try:
             extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
             results.append(run_scenario({"model": tiny_model, "connector": {**mp, "kv_connector_extra_config": extra},
-                                         "phases": [{"prompts": [prompt]}]}, timeout=400))
+                                         "env": engine_process, "phases": [{"prompts": [prompt]}]}, timeout=400))
         finally:
             server.terminate()
             server.wait(timeout=30)
