@@ -55,11 +55,13 @@ def python_source_corpus(min_chars: int) -> str:
     return "\n".join(parts)
 
 
-def yarn_overrides(model: str, factor: float) -> dict:
-    """vLLM's ``hf_overrides`` that stretch ``model``'s RoPE by YaRN ``factor``
+def yarn_overrides(model: str, factor: float, native: int = 0) -> dict:
+    """vLLM's ``hf_overrides`` that stretch ``model``'s RoPE by YaRN ``factor`` from
+    ``native`` positions (0: its config's ``max_position_embeddings``; a model trained
+    on shorter texts than its config allows needs the length it was trained on)
     (vLLM 0.32 with transformers 5 reads ``rope_parameters``)."""
     config = json.loads((Path(model) / "config.json").read_text())
-    native = config["max_position_embeddings"]
+    native = native or config["max_position_embeddings"]
     theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     return {"rope_parameters": {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
                                 "original_max_position_embeddings": native},

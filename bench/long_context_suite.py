@@ -66,7 +66,7 @@ def engine_main(args: dict) -> None:
     if args["kvreel"]:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"cpu_bytes": "4GiB"})
     if args.get("yarn"):
-        kw["hf_overrides"] = yarn_overrides(args["model"], args["yarn"])
+        kw["hf_overrides"] = yarn_overrides(args["model"], args["yarn"], args.get("yarn_native", 0))
     llm = LLM(args["model"], enforce_eager=True, max_model_len=args["max_model_len"],
               max_num_batched_tokens=args["chunk"], gpu_memory_utilization=0.05, max_num_seqs=args["batch"],
               seed=0, disable_log_stats=False, dtype=args["dtype"], **kw)
@@ -121,6 +121,8 @@ def main() -> None:
                     "their medians, every run's is kept, and whether answers matched the first run's")
     ap.add_argument("--yarn", type=float, default=0, help="stretch the model's RoPE by YaRN this factor (vLLM's "
                     "hf_overrides), full attention and retrieval alike: 4 takes SmolLM2's 8K to 32K")
+    ap.add_argument("--yarn-native", type=int, default=0, help="the context the model was trained on, which YaRN "
+                    "stretches (0: its config's max_position_embeddings; tinycode-16m-4k: 4096)")
     ap.add_argument("--baseline-anew", action="store_true", help="measure full attention in this run even where "
                     "an earlier run's could be kept: a timed ratio then compares runs of one session")
     ap.add_argument("--name", default=None)
@@ -139,7 +141,8 @@ def main() -> None:
         configs.append((f"{method} share={share}" + "".join(f" {k}={v}" for k, v in extra.items()), method, env))
     name = a.name or f"long_context_suite_{Path(a.model).name}"
     settings = {k: getattr(a, k) for k in ("tasks", "lengths", "cases", "configs", "chunk", "batch", "max_tokens",
-                                           "held_out_tokens", "seed", "dtype", "runs", "yarn")}
+                                           "held_out_tokens", "seed", "dtype", "runs", "yarn",
+                                           "yarn_native")}
     inputs_sha256 = hashlib.sha256(json.dumps([[c.prompt_ids for c in cases], held_out]).encode()).hexdigest()
     import vllm
     here = machine()
@@ -149,7 +152,7 @@ def main() -> None:
         work = tmp / "cases.json"    # this run's own: a suite run beside it must not hand its engines other cases
         work.write_text(json.dumps({"cases": [c.prompt_ids for c in cases], "held_out": held_out}))
         engine_args = {"model": a.model, "work": str(work), "chunk": a.chunk, "batch": a.batch,
-                       "max_tokens": a.max_tokens, "dtype": a.dtype, "yarn": a.yarn,
+                       "max_tokens": a.max_tokens, "dtype": a.dtype, "yarn": a.yarn, "yarn_native": a.yarn_native,
                        "max_model_len": max(max(lengths), a.held_out_tokens) + a.max_tokens}
         for run in range(a.runs):                # round-robin, so drift on the machine touches every setting alike
             for label, method, env in configs:
@@ -162,7 +165,7 @@ def main() -> None:
                 if "error" in got:
                     raise RuntimeError(f"{label}: {got['error']}")
                 summary = summarize(got, cases, tasks, lengths, results.get("full attention", {}).get("top1"),
-                                    method, env)
+                                    method, env, held_out)
                 if run == 0:
                     results[label] = {**summary, "commit": STARTED_AT, "machine": here, "runs": 1,
                                       "same_as_first_run": True,
@@ -198,21 +201,30 @@ def main() -> None:
 
 
 def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], reference: list[int] | None,
-              method: str | None, env: dict) -> dict:
-    """One engine's answers scored per task and length, and its held-out agreement with
-    ``reference`` (full attention's top-1 choices; itself for full attention)."""
+              method: str | None, env: dict, held_out: list[int]) -> dict:
+    """One engine's answers scored per task and length, its held-out agreement with
+    ``reference`` (full attention's top-1 choices; itself for full attention), and
+    how often its top-1 choice is the held-out text's next token (whether the model
+    is competent at that length at all: a stretched model may not be)."""
     right = [c.score(ans) for c, ans in zip(cases, got["answers"])]
     table = {f"{t}@{n}": round(sum(r for c, r in zip(cases, right) if (c.task, c.length) == (t, n)), 3)
              for t in tasks for n in lengths}
     reference = reference or got["top1"]
     positions = range(MIN_TOKENS, len(reference))
     agree = sum(reference[p] == got["top1"][p] for p in positions) / len(positions) if positions else None
-    bands = {}                      # by position, in doublings from MIN_TOKENS: where the history is long enough
-    lo = MIN_TOKENS                 # to be narrowed (and prefill chunks select), past where it is not
-    while lo < len(reference):
-        hi = min(2 * lo, len(reference))
-        bands[f"{lo}-{hi}"] = sum(reference[p] == got["top1"][p] for p in range(lo, hi)) / (hi - lo)
-        lo = hi
+
+    def by_band(hit) -> dict[str, float]:
+        """Share of positions where ``hit(p)``, by position in doublings from MIN_TOKENS:
+        where the history is long enough to be narrowed (and prefill chunks select),
+        past where it is not."""
+        bands, lo = {}, MIN_TOKENS
+        while lo < len(reference):
+            hi = min(2 * lo, len(reference))
+            bands[f"{lo}-{hi}"] = sum(hit(p) for p in range(lo, hi)) / (hi - lo)
+            lo = hi
+        return bands
+
+    bands = by_band(lambda p: reference[p] == got["top1"][p])
     return {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
             "cases": len(cases), "per_case": right, "answers": got["answers"],
             "history_share": history_share(got["metrics"]),
@@ -221,6 +233,7 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "scored_tokens": by_label(got["metrics"], "scored_tokens"),
             "held_out_top1_agreement": agree,
             "held_out_top1_agreement_by_position": bands,
+            "held_out_next_token_accuracy_by_position": by_band(lambda p: got["top1"][p] == held_out[p]),
             "held_out_history_share": history_share(got["held_out_metrics"]),
             "held_out_scored_tokens": by_label(got["held_out_metrics"], "scored_tokens"),
             "held_out_dre_tables": by_label(got["held_out_metrics"], "dre_tables"),
