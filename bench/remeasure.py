@@ -45,6 +45,11 @@ COMMANDS: dict[str, list[str]] = {
         "long_context_suite.py", "--model", "{smollm2}", "--lengths", "32000", "--cases", "0",
         "--configs", "resv:0.125,mosaic:0.125", "--yarn", "4", "--held-out-tokens", "32000",
         "--runs", "3", "--baseline-anew", "--name", "long_context_held_out_32k_yarn4_smollm2-135m"],
+    "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32": [
+        "long_context_suite.py", "--model", "{tinycode}", "--lengths", "32000", "--cases", "0",
+        "--configs", "resv:0.125,mosaic:0.125", "--yarn", "8", "--yarn-native", "4096", "--dtype", "float32",
+        "--held-out-tokens", "32000", "--runs", "3", "--baseline-anew",
+        "--name", "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32"],
     "long_session": ["long_session.py", "--model", "{tinycode}"],
 }
 TIMED_RUNS = 3          # a timed figure is a median of at least this many runs
