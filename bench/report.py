@@ -285,6 +285,45 @@ def headline_table() -> str:
     return "\n".join(lines)
 
 
+# held-out runs of long sessions, by length and budget (``long_sessions_table``)
+LONG_SESSIONS = ["long_context_held_out_32k_yarn8_tinycode-16m-4k_f32",
+                 "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32",
+                 "long_context_held_out_32k_yarn4_smollm2-135m"]
+
+
+def long_sessions_table() -> str:
+    """Every retrieval setting of ``LONG_SESSIONS``: the history it read, its top-1
+    agreement with full attention, and where every prefill chunk selects (the
+    longest positions) how often it and full attention predict the text's next token."""
+    from kvreel.connector.config import SETTINGS_BY_NAME
+    lines = ["| held-out tokens | model, machine | setting | history read per working set | agreement with full "
+             "attention: all / where chunks select | next token right where chunks select: setting vs full "
+             "attention | runs | JSON, commit | status |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in LONG_SESSIONS:
+        if not (RESULTS / f"{name}.json").exists():
+            continue
+        d = load_results(name)
+        state = status(d["commit"], measures(script_of(name, d)))
+        full = d["results"]["full attention"]
+        for label, r in d["results"].items():
+            if not r["method"]:
+                continue
+            span, agree = list(r["held_out_top1_agreement_by_position"].items())[-1]
+            accuracy = r.get("held_out_next_token_accuracy_by_position")
+            right = (f"{100 * accuracy[span]:.1f} % vs {100 * full['held_out_next_token_accuracy_by_position'][span]:.1f} %"
+                     if accuracy else "not recorded")
+            stretch = f", YaRN x{d['settings']['yarn']:g}" if d["settings"].get("yarn") else ""
+            dtype = d["settings"]["dtype"].replace("auto", "its own dtype")
+            budget = r["env"].get("KVREEL_RETRIEVAL_BUDGET_TOKENS", SETTINGS_BY_NAME["RETRIEVAL_BUDGET_TOKENS"].default)
+            lines.append(f"| {d['settings']['held_out_tokens']} | {d['model']} ({dtype}{stretch}), "
+                         f"{machine_words(r['machine'])} | {label}: at most {budget} history tokens a layer-step | "
+                         f"{100 * r['held_out_history_share']:.1f} % | "
+                         f"{100 * r['held_out_top1_agreement']:.1f} % / {100 * agree:.1f} % (positions {span}) | "
+                         f"{right} | {r.get('runs', 1)} | `{name}.json`, {d['commit'][:7]} | "
+                         f"{'current' if state == 'current' else f'**{state}**'} |")
+    return "\n".join(lines)
+
+
 def index_table() -> str:
     """Every committed results file: what wrote it, where, on what, and whether it is current."""
     lines = ["| JSON | script | model | machine | commit, date | runs | status |", "|---|---|---|---|---|---|---|"]
@@ -304,7 +343,7 @@ def settings_table() -> str:
     return settings_table_markdown().rstrip("\n")
 
 
-TABLES = {ROOT / "README.md": {"headline": headline_table},
+TABLES = {ROOT / "README.md": {"headline": headline_table, "long-sessions": long_sessions_table},
           ROOT / "bench" / "README.md": {"headline": headline_table, "index": index_table},
           ROOT / "docs" / "configuration.md": {"settings": settings_table},
           ROOT / "deploy" / "README.md": {"settings": settings_table}}
