@@ -310,8 +310,9 @@ def long_sessions_table() -> str:
                 continue
             span, agree = list(r["held_out_top1_agreement_by_position"].items())[-1]
             accuracy = r.get("held_out_next_token_accuracy_by_position")
-            right = (f"{100 * accuracy[span]:.1f} % vs {100 * full['held_out_next_token_accuracy_by_position'][span]:.1f} %"
-                     if accuracy else "not recorded")
+            full_accuracy = full.get("held_out_next_token_accuracy_by_position") or {}
+            right = (f"{100 * accuracy[span]:.1f} % vs {100 * full_accuracy[span]:.1f} %"
+                     if accuracy and span in full_accuracy else "not recorded")
             stretch = f", YaRN x{d['settings']['yarn']:g}" if d["settings"].get("yarn") else ""
             dtype = d["settings"]["dtype"].replace("auto", "its own dtype")
             budget = r["env"].get("KVREEL_RETRIEVAL_BUDGET_TOKENS", SETTINGS_BY_NAME["RETRIEVAL_BUDGET_TOKENS"].default)
