@@ -224,7 +224,6 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             lo = hi
         return bands
 
-    bands = by_band(lambda p: reference[p] == got["top1"][p])
     return {"method": method, "env": env, "right": table, "right_total": round(sum(right), 3),
             "cases": len(cases), "per_case": right, "answers": got["answers"],
             "history_share": history_share(got["metrics"]),
@@ -232,7 +231,7 @@ def summarize(got: dict, cases: list, tasks: list[str], lengths: list[int], refe
             "dre_tables": by_label(got["metrics"], "dre_tables"),
             "scored_tokens": by_label(got["metrics"], "scored_tokens"),
             "held_out_top1_agreement": agree,
-            "held_out_top1_agreement_by_position": bands,
+            "held_out_top1_agreement_by_position": by_band(lambda p: reference[p] == got["top1"][p]),
             "held_out_next_token_accuracy_by_position": by_band(lambda p: got["top1"][p] == held_out[p]),
             "held_out_history_share": history_share(got["held_out_metrics"]),
             "held_out_scored_tokens": by_label(got["held_out_metrics"], "scored_tokens"),

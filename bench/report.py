@@ -304,18 +304,18 @@ def long_sessions_table() -> str:
             continue
         d = load_results(name)
         state = status(d["commit"], measures(script_of(name, d)))
-        full = d["results"]["full attention"]
+        full_accuracy = d["results"]["full attention"].get("held_out_next_token_accuracy_by_position") or {}
+        stretch = f", YaRN x{d['settings']['yarn']:g}" if d["settings"].get("yarn") else ""
+        dtype = d["settings"]["dtype"].replace("auto", "its own dtype")
         for label, r in d["results"].items():
             if not r["method"]:
                 continue
             span, agree = list(r["held_out_top1_agreement_by_position"].items())[-1]
             accuracy = r.get("held_out_next_token_accuracy_by_position")
-            full_accuracy = full.get("held_out_next_token_accuracy_by_position") or {}
             right = (f"{100 * accuracy[span]:.1f} % vs {100 * full_accuracy[span]:.1f} %"
                      if accuracy and span in full_accuracy else "not recorded")
-            stretch = f", YaRN x{d['settings']['yarn']:g}" if d["settings"].get("yarn") else ""
-            dtype = d["settings"]["dtype"].replace("auto", "its own dtype")
-            budget = r["env"].get("KVREEL_RETRIEVAL_BUDGET_TOKENS", SETTINGS_BY_NAME["RETRIEVAL_BUDGET_TOKENS"].default)
+            budget = r["env"].get("KVREEL_RETRIEVAL_BUDGET_TOKENS",
+                                  SETTINGS_BY_NAME["RETRIEVAL_BUDGET_TOKENS"].default)
             lines.append(f"| {d['settings']['held_out_tokens']} | {d['model']} ({dtype}{stretch}), "
                          f"{machine_words(r['machine'])} | {label}: at most {budget} history tokens a layer-step | "
                          f"{100 * r['held_out_history_share']:.1f} % | "
