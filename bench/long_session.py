@@ -105,19 +105,18 @@ def _gauge(registry, name: str) -> float | None:
     return None
 
 
-def working_set_mib(model: str, budget: int, window: int, chunk: int, block: int = 32) -> float:
-    """kvreel's working-set buffer of one long request, all layers (what it adds to engine KV)."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    page = cfg["num_key_value_heads"] * block * 2 * head_dim * 2           # bf16 bytes per layer
-    pages = budget // block + -(-(window + 2 * chunk) // block) + 3
-    return cfg["num_hidden_layers"] * pages * page / 2**20
+def working_set_pages(budget: int, window: int, chunk: int, block: int = 32) -> int:
+    """Pages of kvreel's working-set buffer of one long request, per layer (what it adds to engine KV)."""
+    return budget // block + -(-(window + 2 * chunk) // block) + 3
 
 
-def block_mib(model: str, block: int = 32) -> float:
+def block_mib(model: str, dtype: str, block: int = 32) -> float:
+    """One block's KV over every layer, in the dtype served (``--dtype``; "auto": the model's)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 2 * head_dim * 2 / 2**20
+    served = (cfg.get("torch_dtype") or cfg.get("dtype") or "float32") if dtype == "auto" else dtype
+    size = 4 if served in ("float32", "float") else 2
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 2 * head_dim * size / 2**20
 
 
 def median_rows(runs: list[dict]) -> list[dict]:
@@ -205,8 +204,9 @@ def main() -> None:
     results = {label: {"rows": median_rows(runs_of), "each_run": runs_of} for label, runs_of in each.items()}
     full, _, reel, off = (results[k] for k in list(runs)[:4])
     defaults = KVReelConfig.load(env={"KVREEL_RETRIEVAL": a.method, **extra})
-    ws = working_set_mib(a.model, defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk)
-    paged = a.blocks * block_mib(a.model)
+    ws = working_set_pages(defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk) * block_mib(
+        a.model, a.dtype)
+    paged = a.blocks * block_mib(a.model, a.dtype)
     tp = {r["tokens"]: r for r in reel["rows"] if "ttft_s" in r}
     fp = {r["tokens"]: r for r in full["rows"] if "ttft_s" in r}
     plain_longest = (a.blocks - 1) * 32     # the most its cache can hold (vLLM keeps one block back)
