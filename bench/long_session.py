@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (CONNECTOR, engine_in_subprocess, engine_or_main, python_source_corpus, report,  # noqa: E402
                     retrieval_counters, save)
@@ -115,7 +117,7 @@ def block_mib(model: str, dtype: str, block: int = 32) -> float:
     cfg = json.loads((Path(model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     served = (cfg.get("torch_dtype") or cfg.get("dtype") or "float32") if dtype == "auto" else dtype
-    size = 4 if served in ("float32", "float") else 2
+    size = getattr(torch, served).itemsize
     return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 2 * head_dim * size / 2**20
 
 
@@ -204,9 +206,9 @@ def main() -> None:
     results = {label: {"rows": median_rows(runs_of), "each_run": runs_of} for label, runs_of in each.items()}
     full, _, reel, off = (results[k] for k in list(runs)[:4])
     defaults = KVReelConfig.load(env={"KVREEL_RETRIEVAL": a.method, **extra})
-    ws = working_set_pages(defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk) * block_mib(
-        a.model, a.dtype)
-    paged = a.blocks * block_mib(a.model, a.dtype)
+    block = block_mib(a.model, a.dtype)
+    ws = working_set_pages(defaults.retrieval_budget_tokens, defaults.retrieval_window, a.chunk) * block
+    paged = a.blocks * block
     tp = {r["tokens"]: r for r in reel["rows"] if "ttft_s" in r}
     fp = {r["tokens"]: r for r in full["rows"] if "ttft_s" in r}
     plain_longest = (a.blocks - 1) * 32     # the most its cache can hold (vLLM keeps one block back)
