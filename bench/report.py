@@ -288,6 +288,7 @@ def headline_table() -> str:
 # held-out runs of long sessions, by length and budget (``long_sessions_table``)
 LONG_SESSIONS = ["long_context_held_out_32k_yarn8_tinycode-16m-4k_f32",
                  "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32_budgets",
+                 "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32_exact_topk",
                  "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32",
                  "long_context_held_out_32k_yarn4_smollm2-135m"]
 
