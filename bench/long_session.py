@@ -163,6 +163,9 @@ def main() -> None:
                     help="another retrieval engine with these settings beside the first (repeatable)")
     ap.add_argument("--detokenize", choices=("on", "off"), default="on",
                     help="vLLM's incremental detokenizer on every engine's output (off: TPOT without its cost)")
+    ap.add_argument("--full-lengths", default=None,
+                    help="the lengths full attention runs (default: the short request and every length); "
+                         "leaving out the longest saves its prefill, the longest part of a run")
     ap.add_argument("--name", default="long_session")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -184,8 +187,10 @@ def main() -> None:
               "env": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}}
     extra = _settings(a.env)
     small = {"blocks": a.blocks, "kvreel": {"cpu_bytes": "2GiB"}}
+    full_lengths = [a.short] + lengths if a.full_lengths is None else [int(x) for x in a.full_lengths.split(",")]
     runs = {
-        "vLLM, cache holds every session (full attention)": {**common, "lengths": [a.short] + lengths},
+        "vLLM, cache holds every session (full attention)": {**common, "lengths": full_lengths,
+                                                             "max_model_len": max(full_lengths) + a.decode + 64},
         f"vLLM, {a.blocks}-block cache": {**common, "lengths": lengths, "blocks": a.blocks,
                                           "max_model_len": (a.blocks - 1) * 32},
         f"vLLM + kvreel {a.method} (defaults), {a.blocks}-block cache": {
@@ -225,6 +230,8 @@ def main() -> None:
                                      "kvreel": max(served, default=0) / (paged + ws)},
         "kvreel_tpot_over_first_length": {n: tp[n]["tpot_ms"] / tp[lengths[0]]["tpot_ms"]
                                           for n in lengths if n in tp and lengths[0] in tp},
+        "kvreel_tpot_p50_over_first_length": {n: tp[n]["tpot_p50_ms"] / tp[lengths[0]]["tpot_p50_ms"]
+                                              for n in lengths if n in tp and lengths[0] in tp},
         "kvreel_tpot_over_full_attention": {n: tp[n]["tpot_ms"] / fp[n]["tpot_ms"] for n in lengths
                                             if n in tp and n in fp},
         "kvreel_ttft_over_full_attention": {n: tp[n]["ttft_s"] / fp[n]["ttft_s"] for n in lengths
@@ -243,8 +250,8 @@ def main() -> None:
     short_off = next((r for r in off["rows"] if r["tokens"] == a.short and "ttft_s" in r), None)
     if short_on and short_off:
         summary["short_request_tpot_retrieval_on_over_off"] = short_on["tpot_ms"] / short_off["tpot_ms"]
-    settings = {k: getattr(a, k) for k in ("lengths", "short", "blocks", "chunk", "decode", "repeats", "method",
-                                           "dtype", "detokenize", "env", "compare_env")}
+    settings = {k: getattr(a, k) for k in ("lengths", "full_lengths", "short", "blocks", "chunk", "decode", "repeats",
+                                           "method", "dtype", "detokenize", "env", "compare_env")}
     settings["kvreel"] = {k: getattr(defaults, k) for k in vars(defaults) if k.startswith("retrieval")}
     settings["dre_pinning"] = ("none: the DRE service, when a history needs it, shares the engine's cores "
                                "(started by the worker with one torch thread at nice 10)")
