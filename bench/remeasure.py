@@ -9,7 +9,7 @@ again after an interruption and it goes on with what is still not current (the
 long-context suite also resumes inside a file). ``report.py`` is rerun at the
 end, so the tables show what was measured.
 
-    python bench/remeasure.py --tinycode ../shared/models/tinycode-16m-4k --smollm2 models/smollm2-135m
+    python bench/remeasure.py --tinycode ../shared/models/tinycode-16m-4k
     python bench/remeasure.py ... --dry-run        # what it would run, and why
 
 Each benchmark prints its time when it ends.
@@ -29,7 +29,7 @@ from common import RESULTS, load_results  # noqa: E402
 
 BENCH = Path(__file__).parent
 
-# the command behind each headline JSON ({tinycode}, {smollm2}: the model paths given)
+# the command behind each headline JSON ({tinycode}: the model path given)
 COMMANDS: dict[str, list[str]] = {
     "peers": ["peers.py", "--model", "{tinycode}", "--dtype", "float32"],
     "no_reuse": ["peers.py", "--model", "{tinycode}", "--workloads", "no_reuse",
@@ -38,18 +38,15 @@ COMMANDS: dict[str, list[str]] = {
                    "--workloads", "prefix_repetition", "--configs", "plain+cache_aware,kvreel+kv_aware",
                    "--name", "fleet_warm"],
     "fleet_failover": ["fleet_failover.py", "--model", "{tinycode}", "--dtype", "float32"],
-    "long_context_suite_smollm2-135m_bf16_16cases_resv": [
-        "long_context_suite.py", "--model", "{smollm2}", "--configs", "resv:0.125",
-        "--name", "long_context_suite_smollm2-135m_bf16_16cases_resv"],
-    "long_context_held_out_32k_yarn4_smollm2-135m": [
-        "long_context_suite.py", "--model", "{smollm2}", "--lengths", "32000", "--cases", "0",
-        "--configs", "resv:0.125,mosaic:0.125", "--yarn", "4", "--held-out-tokens", "32000",
-        "--runs", "3", "--baseline-anew", "--name", "long_context_held_out_32k_yarn4_smollm2-135m"],
     "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32": [
         "long_context_suite.py", "--model", "{tinycode}", "--lengths", "32000", "--cases", "0",
         "--configs", "resv:0.125,mosaic:0.125", "--yarn", "8", "--yarn-native", "4096", "--dtype", "float32",
         "--held-out-tokens", "32000", "--runs", "3", "--baseline-anew",
         "--name", "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32"],
+    "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32": [
+        "long_context_suite.py", "--model", "{tinycode}", "--lengths", "64000", "--cases", "0",
+        "--configs", "resv:0.125,mosaic:0.125", "--yarn", "16", "--yarn-native", "4096", "--dtype", "float32",
+        "--held-out-tokens", "64000", "--baseline-anew", "--name", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32"],
     "long_session": ["long_session.py", "--model", "{tinycode}"],
 }
 TIMED_RUNS = 3          # a timed figure is a median of at least this many runs
@@ -73,7 +70,6 @@ def why_stale(name: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tinycode", required=True, help="tinycode-16m-4k's model directory")
-    ap.add_argument("--smollm2", required=True, help="SmolLM2-135M's (bench/smollm2_model.py)")
     ap.add_argument("--only", default="", help="these results names alone, comma separated")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args()
@@ -82,7 +78,7 @@ def main() -> None:
     if missing:
         raise SystemExit(f"remeasure: no command for {', '.join(missing)}")
     names = [n for n in names if not a.only or n in a.only.split(",")]
-    models = {"tinycode": a.tinycode, "smollm2": a.smollm2}
+    models = {"tinycode": a.tinycode}
     for name in names:
         reason = why_stale(name)
         if reason is None:

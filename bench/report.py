@@ -132,13 +132,6 @@ def ratio_of(d: dict, workload: str, ours: str, theirs: str, field: str = "reque
                   f"{listed(a, fmt)} vs {listed(b, fmt)}", min(len(a), len(b)))
 
 
-def suite_score(d: dict, label: str) -> Figure:
-    full, ours = d["results"]["full attention"], d["results"][label]
-    return Figure(f"{ours['right_total']:g} vs {full['right_total']:g} of {ours['cases']} cases "
-                  f"(full attention), reading {100 * ours['history_share']:.1f} % of the history",
-                  "deterministic (greedy): 1 run", ours["runs"])
-
-
 def tpot_growth(d: dict) -> Figure:
     rows = {r["tokens"]: r for r in d["runs"]["vLLM + kvreel resv (defaults), 128-block cache"]["rows"]}
     full = {r["tokens"]: r for r in d["runs"]["vLLM, cache holds every session (full attention)"]["rows"]}
@@ -222,15 +215,6 @@ HEADLINES = [
     Headline("fleet: 2 engines behind vllm-router, Redis Cluster, warm (kv_aware vs plain cache_aware)",
              "fleet_warm", lambda d: ratio_of(d, "prefix_repetition", "kvreel+kv_aware", "plain+cache_aware")),
     Headline("failover: a Redis Cluster master killed under the fleet's load", "fleet_failover", failover, timed=False),
-    Headline("long sessions, 4K and 8K: RULER-style suite, 5 tasks x 16 cases, resv at defaults",
-             "long_context_suite_smollm2-135m_bf16_16cases_resv", lambda d: suite_score(d, "resv share=0.125"),
-             timed=False),
-    Headline("long sessions at 32K (SmolLM2 stretched by YaRN x4): top-1 agreement with full attention over "
-             "32 000 held-out tokens, defaults (a prefill chunk selects once the DRE's clusters narrow its "
-             "history, past 14K tokens; below, it attends to all of it)", "long_context_held_out_32k_yarn4_smollm2-135m", held_out_at_length,
-             timed=False),
-    Headline("long sessions at 32K: prefill of the 32 000 held-out tokens (512-token chunks) with retrieval vs "
-             "full attention, s", "long_context_held_out_32k_yarn4_smollm2-135m", prefill_at_length),
     Headline("long sessions at 32K (tinycode-16m-4k, float32, stretched by YaRN x8 from the 4K it was trained on): "
              "top-1 agreement with full attention over 32 000 held-out tokens of Python, defaults (1 024 history "
              "tokens a layer-step, 1/32 of 32K)", "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32",
@@ -238,6 +222,9 @@ HEADLINES = [
     Headline("long sessions at 32K (tinycode-16m-4k, float32): prefill of the 32 000 held-out tokens with "
              "retrieval vs full attention, s", "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32",
              prefill_at_length),
+    Headline("long sessions at 64K (tinycode-16m-4k, float32, stretched by YaRN x16): top-1 agreement with full "
+             "attention over 64 000 held-out tokens of Python, defaults (1 024 history tokens a layer-step, 1/64 "
+             "of 64K)", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32", held_out_at_length, timed=False),
     Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth),
 ]
 
@@ -289,8 +276,7 @@ def headline_table() -> str:
 LONG_SESSIONS = ["long_context_held_out_32k_yarn8_tinycode-16m-4k_f32",
                  "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32_budgets",
                  "long_context_held_out_32k_yarn8_tinycode-16m-4k_f32_exact_topk",
-                 "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32",
-                 "long_context_held_out_32k_yarn4_smollm2-135m"]
+                 "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32"]
 
 
 def long_sessions_table() -> str:
