@@ -5,6 +5,8 @@
    throughput per resolution, alone and with concurrent decoders.
 2. The connector's host<->device copy path (PagedRegions) vs a raw pinned
    ``copy_`` of the same bytes, for a contiguous chunk and for scattered blocks.
+3. The GPU-marked tests (``pytest -m gpu tests``), each test's outcome recorded
+   (``gpu_tests``), so README can say when they last ran and how.
 
 The KV comes from a trained model, captured on any machine with the model
 (``--capture MODEL``); the containers are encoded from it with libx265 where
@@ -216,6 +218,30 @@ def one_run(data_dir: Path) -> dict:
     return out
 
 
+def gpu_test_outcomes(*pytest_args: str) -> dict:
+    """Run pytest (``-m gpu tests`` by default) in a subprocess and return each
+    test's outcome, read from its JUnit XML (pytest's own report, not its
+    console): ``{"tests": {id: "passed" | "failed" | "skipped"}, "messages":
+    {id: why}, "exit_code": n}``."""
+    import subprocess
+    import tempfile
+    import xml.etree.ElementTree as ET
+    root = Path(__file__).parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "gpu_tests.xml"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                               *(pytest_args or ("-m", "gpu", "tests"))], cwd=root, capture_output=True, text=True)
+        cases = ET.parse(xml).getroot().iter("testcase") if xml.exists() else []
+        tests, messages = {}, {}
+        for case in cases:
+            test = f"{case.get('classname')}::{case.get('name')}"
+            problem = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+            tests[test] = "passed" if problem is None else "skipped" if problem.tag == "skipped" else "failed"
+            if problem is not None:
+                messages[test] = (problem.get("message") or "")[:300]
+    return {"tests": tests, "messages": messages, "exit_code": done.returncode}
+
+
 def median_of(runs: list):
     """The runs' median per number, and whether every run held a flag."""
     first = runs[0]
@@ -299,7 +325,7 @@ def main():
     result = {"benchmark": "gpu_checks", "commit": a.commit or commit(),
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
               "kv_source": kv_source(Path(a.data)), "libx265_encode_s": encode_missing(Path(a.data)),
-              "runs": [one_run(Path(a.data)) for _ in range(a.runs)]}
+              "runs": [one_run(Path(a.data)) for _ in range(a.runs)], "gpu_tests": gpu_test_outcomes()}
     result["median"] = median_of(result["runs"])
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "gpu_checks.json").write_text(json.dumps(result, indent=1))

@@ -344,7 +344,25 @@ def settings_table() -> str:
     return settings_table_markdown().rstrip("\n")
 
 
-TABLES = {ROOT / "README.md": {"headline": headline_table, "long-sessions": long_sessions_table},
+def gpu_tests_line() -> str:
+    """When the GPU-marked tests last ran and how they went (``gpu_checks.json``'s
+    ``gpu_tests``), with that file's status; where it holds no outcomes, when
+    the GPU benchmarks last ran."""
+    d = load_results("gpu_checks")
+    state = status(d["commit"], measures(ROOT / "bench" / "gpu_checks.py"))
+    where = (f"on {d['machine'].get('gpu', 'a GPU machine')} ({machine_words(d['machine'])}), commit "
+             f"{d['commit'][:7]}, {d['when'][:10]}; `bench/results/gpu_checks.json`, "
+             f"{'current' if state == 'current' else f'**{state}**'}")
+    if "gpu_tests" not in d:
+        return (f"GPU tests (`pytest -m gpu tests`): no run's outcomes recorded yet. The GPU benchmarks "
+                f"(`bench/gpu_checks.py`) last ran {where}.")
+    outcomes = list(d["gpu_tests"]["tests"].values())
+    counts = ", ".join(f"{outcomes.count(o)} {o}" for o in ("passed", "failed", "skipped") if o in outcomes)
+    return f"GPU tests (`pytest -m gpu tests`, run by `bench/gpu_checks.py`) last ran {where}: {counts or 'none'}."
+
+
+TABLES = {ROOT / "README.md": {"headline": headline_table, "long-sessions": long_sessions_table,
+                               "gpu": gpu_tests_line},
           ROOT / "bench" / "README.md": {"headline": headline_table, "index": index_table},
           ROOT / "docs" / "configuration.md": {"settings": settings_table},
           ROOT / "deploy" / "README.md": {"settings": settings_table}}

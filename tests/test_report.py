@@ -94,3 +94,36 @@ def test_a_headline_counts_every_set_of_runs_on_the_current_code(tmp_path, monke
     d, files = report.with_later_sets("xbench", json.loads((tmp_path / "xbench.json").read_text()))
     assert [r["x"] for r in d["results"]["w"]["c"]["runs"]] == [1, 2, 3, 4, 5, 6]
     assert files == ["xbench.json", "xbench_set2.json"]
+
+
+def test_gpu_checks_records_each_tests_outcome(tmp_path):
+    """bench/gpu_checks.py runs pytest and keeps every test's outcome (and why a
+    test failed or was skipped) from pytest's JUnit XML, so README can say how
+    the GPU tests last went."""
+    import gpu_checks
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_passes():\n    assert True\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='no GPU here')\n"
+        "def test_skips():\n    pass\n")
+    got = gpu_checks.gpu_test_outcomes(str(tmp_path))
+    assert got["tests"] == {"test_three::test_passes": "passed", "test_three::test_fails": "failed",
+                            "test_three::test_skips": "skipped"}
+    assert "one is not two" in got["messages"]["test_three::test_fails"]
+    assert "no GPU here" in got["messages"]["test_three::test_skips"]
+    assert got["exit_code"] == 1
+
+
+def test_readme_says_how_the_gpu_tests_last_went(tmp_path, monkeypatch):
+    import json
+
+    import common
+    d = {"commit": report.git("rev-parse", "HEAD"), "when": "2026-12-07T10:00:00Z",
+         "machine": {"cpus": 16, "cpu_isa": "AVX512", "gpu": "NVIDIA H100"},
+         "gpu_tests": {"tests": {"a::x": "passed", "a::y": "passed", "b::z": "skipped"}, "messages": {},
+                       "exit_code": 0}}
+    (tmp_path / "gpu_checks.json").write_text(json.dumps(d))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    line = report.gpu_tests_line()
+    assert "last ran on NVIDIA H100" in line and line.endswith("current: 2 passed, 1 skipped.")
