@@ -117,6 +117,7 @@ class Headline:
     name: str               # bench/results/NAME.json
     take: Callable[[dict], Figure]
     timed: bool = True      # a timing (a median of runs), not a count or a deterministic score
+    in_readme: bool = True  # README's table (at most 10 rows); bench/README's holds every headline
 
 
 def _served(d: dict, workload: str, config: str, field: str = "request_throughput") -> list[float]:
@@ -213,13 +214,13 @@ HEADLINES = [
     Headline("vs LMCache (multiprocess, CPU L1), prefix reuse, 4x the paged cache", "peers",
              lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "lmcache-mem")),
     Headline("vs LMCache, multi-turn chats", "peers",
-             lambda d: ratio_of(d, "multi_turn", "kvreel-host", "lmcache-mem")),
+             lambda d: ratio_of(d, "multi_turn", "kvreel-host", "lmcache-mem"), in_readme=False),
     Headline("vs plain vLLM, prefix reuse, 4x the paged cache", "peers",
              lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "vllm")),
     Headline("share of the ceiling (plain vLLM whose cache holds everything)", "peers",
              lambda d: ratio_of(d, "prefix_repetition", "kvreel-host", "vllm-ceiling")),
     Headline("cost where nothing is offloaded (both with the ceiling's cache)", "peers",
-             lambda d: ratio_of(d, "prefix_repetition", "kvreel-ceiling", "vllm-ceiling")),
+             lambda d: ratio_of(d, "prefix_repetition", "kvreel-ceiling", "vllm-ceiling"), in_readme=False),
     Headline("cost to a request that reuses nothing: TTFT p50", "no_reuse",
              lambda d: ratio_of(d, "no_reuse", "kvreel-host", "vllm", "ttft_p50_ms", "ms", "{:.0f}")),
     Headline("fleet: 2 engines behind vllm-router, Redis Cluster, warm (kv_aware vs plain cache_aware)",
@@ -235,7 +236,8 @@ HEADLINES = [
     Headline("long sessions at 64K (tinycode-16m-4k, float32, stretched by YaRN x16): top-1 agreement with full "
              "attention over 64 000 held-out tokens of Python, defaults (1 024 history tokens a layer-step, 1/64 "
              "of 64K)", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32", held_out_at_length, timed=False),
-    Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth),
+    Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth,
+             in_readme=False),
     Headline("long sessions, decoding 256 tokens, vLLM's detokenizer off (its cost grows with the prompt): TPOT "
              "with retrieval (resv), 64K against 4K", "long_session_decode256", tpot_growth),
 ]
@@ -270,10 +272,11 @@ def with_later_sets(name: str, d: dict) -> tuple[dict, list[str]]:
     return d, [f"{name}.json", *(n for n, _ in sets)]
 
 
-def headline_table() -> str:
+def headline_table(readme: bool = False) -> str:
+    """The headline figures, one row each: every one (bench/README) or README's."""
     lines = ["| result | figure: median [min-max] | every run | model, machine | JSON, commit | status |",
              "|---|---|---|---|---|---|"]
-    for h in HEADLINES:
+    for h in (h for h in HEADLINES if h.in_readme or not readme):
         d, files = with_later_sets(h.name, load_results(h.name))
         f = h.take(d)
         state = status(d["commit"], measures(script_of(h.name, d)))
@@ -361,7 +364,8 @@ def gpu_tests_line() -> str:
     return f"GPU tests (`pytest -m gpu tests`, run by `bench/gpu_checks.py`) last ran {where}: {counts or 'none'}."
 
 
-TABLES = {ROOT / "README.md": {"headline": headline_table, "long-sessions": long_sessions_table,
+TABLES = {ROOT / "README.md": {"headline": functools.partial(headline_table, readme=True),
+                               "long-sessions": long_sessions_table,
                                "gpu": gpu_tests_line},
           ROOT / "bench" / "README.md": {"headline": headline_table, "index": index_table},
           ROOT / "docs" / "configuration.md": {"settings": settings_table},

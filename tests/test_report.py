@@ -22,6 +22,7 @@ def test_every_headline_names_a_committed_json_and_its_runs():
         d = report.load_results(h.name)
         figure = h.take(d)
         assert figure.n_runs >= 1 and figure.runs and d["commit"], h.name
+    assert 6 <= sum(h.in_readme for h in report.HEADLINES) <= 10     # README's table: read in one screen
 
 
 def test_a_figure_is_stale_once_its_paths_change_and_unbacked_without_a_commit():
