@@ -141,9 +141,9 @@ def tpot_growth(d: dict) -> Figure:
     a, b = rows[65536]["tpot_ms_each_run"], rows[4096]["tpot_ms_each_run"]
     f = full[65536]["tpot_ms_each_run"] if 65536 in full else None
     m = statistics.median
-    per_run = listed([x / y for x, y in zip(a, b)])
     if f is None:
         plain = full[4096]["tpot_ms_each_run"]
+        per_run = listed([x / y for x, y in zip(a, b)])
         return Figure(f"64K/4K **{m(a) / m(b):.2f}x** ({spread(a)} ms at 64K, {spread(b)} at 4K; "
                       f"{d['settings']['decode']} tokens decoded); at 4K {m(b) / m(plain):.2f}x plain vLLM's "
                       f"{spread(plain)}",
@@ -352,7 +352,7 @@ def gpu_tests_line() -> str:
     ``gpu_tests``), with that file's status; where it holds no outcomes, when
     the GPU benchmarks last ran."""
     d = load_results("gpu_checks")
-    state = status(d["commit"], measures(ROOT / "bench" / "gpu_checks.py"))
+    state = status(d["commit"], measures(script_of("gpu_checks", d)))
     where = (f"on {d['machine'].get('gpu', 'a GPU machine')} ({machine_words(d['machine'])}), commit "
              f"{d['commit'][:7]}, {d['when'][:10]}; `bench/results/gpu_checks.json`, "
              f"{'current' if state == 'current' else f'**{state}**'}")

@@ -4,8 +4,10 @@ kvreel; a bad setting stops it before vLLM starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -52,9 +54,20 @@ def test_the_readme_cpu_recipe_pasted_as_is_shows_a_kvreel_hit(tmp_path):
     block = re.search(r"paste this block.*?```bash\n(.*?)```", readme, re.S).group(1)
     (tmp_path / ".venv").symlink_to(sys.prefix)
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVREEL_")}
-    out = subprocess.run(["bash", "-c", block.replace("8000", str(free_port()))], cwd=tmp_path, env=base,
-                         capture_output=True, text=True, timeout=600)
-    cached = [int(n) for n in re.findall(r"^cached prompt tokens: (\d+)$", out.stdout, re.M)]
-    assert cached[0] == 0 and cached[1] > 3000, out.stdout + out.stderr[-2000:] + \
-        (tmp_path / ".kvreel/server.log").read_text()[-3000:]
-    assert re.search(r'^vllm:kvreel_lookup_hit_blocks_total\{.*tier="host"\} (\d+)', out.stdout, re.M)
+    server_log = tmp_path / ".kvreel/server.log"
+    recipe = subprocess.Popen(["bash", "-c", block.replace("8000", str(free_port()))], cwd=tmp_path, env=base,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = recipe.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(recipe.pid, signal.SIGKILL)
+        stdout, stderr = recipe.communicate()
+        pytest.fail("the recipe did not finish in 600 s; its output:\n" + stdout + stderr[-2000:] +
+                    "\nthe server's log:\n" + (server_log.read_text()[-6000:] if server_log.exists() else "none"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(recipe.pid, signal.SIGKILL)     # the server too, should the recipe's `kill %1` have missed it
+    cached = [int(n) for n in re.findall(r"^cached prompt tokens: (\d+)$", stdout, re.M)]
+    assert len(cached) == 2 and cached[0] == 0 and cached[1] > 3000, stdout + stderr[-2000:] + \
+        server_log.read_text()[-3000:]
+    assert re.search(r'^vllm:kvreel_lookup_hit_blocks_total\{.*tier="host"\} (\d+)', stdout, re.M)
