@@ -46,7 +46,8 @@ COMMANDS: dict[str, list[str]] = {
     "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32": [
         "long_context_suite.py", "--model", "{tinycode}", "--lengths", "64000", "--cases", "0",
         "--configs", "resv:0.125,mosaic:0.125", "--yarn", "16", "--yarn-native", "4096", "--dtype", "float32",
-        "--held-out-tokens", "64000", "--baseline-anew", "--name", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32"],
+        "--held-out-tokens", "64000", "--runs", "3", "--baseline-anew",
+        "--name", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32"],
     "long_session": ["long_session.py", "--model", "{tinycode}"],
     "long_session_decode256": ["long_session.py", "--model", "{tinycode}", "--lengths", "4096,65536",
                                "--full-lengths", "1024,4096", "--decode", "256", "--dtype", "float32",
