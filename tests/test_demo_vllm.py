@@ -66,7 +66,7 @@ def test_the_readme_cpu_recipe_pasted_as_is_shows_a_kvreel_hit(tmp_path):
                     "\nthe server's log:\n" + (server_log.read_text()[-6000:] if server_log.exists() else "none"))
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(recipe.pid, signal.SIGKILL)     # the server too, should the recipe's `kill %1` have missed it
+            os.killpg(recipe.pid, signal.SIGKILL)     # the server too, had the recipe stopped before its `kill`
     cached = [int(n) for n in re.findall(r"^cached prompt tokens: (\d+)$", stdout, re.M)]
     assert len(cached) == 2 and cached[0] == 0 and cached[1] > 3000, stdout + stderr[-2000:] + \
         server_log.read_text()[-3000:]
