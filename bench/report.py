@@ -236,6 +236,9 @@ HEADLINES = [
     Headline("long sessions at 64K (tinycode-16m-4k, float32, stretched by YaRN x16): top-1 agreement with full "
              "attention over 64 000 held-out tokens of Python, defaults (1 024 history tokens a layer-step, 1/64 "
              "of 64K)", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32", held_out_at_length, timed=False),
+    Headline("long sessions at 64K (tinycode-16m-4k, float32): prefill of the 64 000 held-out tokens with "
+             "retrieval vs full attention, s", "long_context_held_out_64k_yarn16_tinycode-16m-4k_f32",
+             prefill_at_length, in_readme=False),
     Headline("long sessions, decoding: TPOT with retrieval (resv) as the session grows", "long_session", tpot_growth,
              in_readme=False),
     Headline("long sessions, decoding 256 tokens, vLLM's detokenizer off (its cost grows with the prompt): TPOT "
