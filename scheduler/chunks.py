@@ -9,7 +9,8 @@ vLLM's own chained prefix-cache block hashes, so a chunk's key names exactly
 its blocks and the prefix before them. Every block maps to (chunk, row), so any
 prefix of a held chunk is reusable: reuse is at block granularity.
 
-Eviction: each tier's budget asks its policy (``kvreel.scheduler.eviction``: LRU,
+Each local tier's budget is its scheduler half (``kvreel.connector.tiers.specs``
+pairs it with the worker half). Eviction: each tier's budget asks its policy (``kvreel.scheduler.eviction``: LRU,
 or with workflow hints the chunks whose agents run furthest in the future
 first). The budgets and the step's stores and deletions change only through
 ``ChunkStore``'s methods."""
@@ -20,7 +21,6 @@ from array import array
 from collections import OrderedDict
 from typing import NamedTuple
 
-from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import StoreOp
 from kvreel.scheduler.events import TierEvents
 from kvreel.connector.stats import KVReelStats
@@ -104,16 +104,14 @@ class ChunkStore:
     them for the workers: chunks to store (``stores``) and to delete
     (``evictions``); with ``events``, every copy gained or lost is a KV event."""
 
-    def __init__(self, cfg: KVReelConfig, stats: KVReelStats, policy: EvictionPolicy | None = None,
-                 events: TierEvents | None = None):
+    def __init__(self, stats: KVReelStats, budgets: list[TierBudget], events: TierEvents | None = None):
         self.stats = stats
         self.events = events
         self.index: dict[bytes, BlockRef] = {}
         self._by_key: dict[bytes, Chunk] = {}         # the indexed chunks
-        self.policy = policy or LRUPolicy()
-        self.budgets: dict[Tier, TierBudget] = {HOST: TierBudget(HOST, cfg.cpu_bytes, self.policy)}
-        if cfg.disk_dir:
-            self.budgets[DISK] = TierBudget(DISK, cfg.disk_bytes, self.policy)
+        self.budgets: dict[Tier, TierBudget] = {b.tier: b for b in budgets}     # the local tiers' halves
+        if HOST not in self.budgets:
+            raise ValueError("the host tier's budget is needed: loads and promotions land there")
         self.stores: dict[bytes, StoreOp] = {}
         self.evictions: dict[Tier, list[bytes]] = {}
 
@@ -236,10 +234,9 @@ class ChunkStore:
             self.drop_copy(chunk, tier)              # the copies are gone: no deletes to send
         del self.budgets[tier]
 
-    def turn_on(self, tier: Tier, capacity: int) -> None:
+    def turn_on(self, budget: TierBudget) -> None:
         """A tier takes writes again: an empty budget (the disk's files are adopted anew)."""
-        if tier not in self.budgets:
-            self.budgets[tier] = TierBudget(tier, capacity, self.policy)
+        self.budgets.setdefault(budget.tier, budget)
 
     def reset(self) -> None:
         """Forget every unpinned chunk in every tier."""

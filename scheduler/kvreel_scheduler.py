@@ -22,6 +22,7 @@ from kvreel.connector.metadata import GroupBlockIds, KVReelMetadata, KVReelWorke
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import Tier
 from kvreel.connector.tiers.disk import scan_chunk_files
+from kvreel.connector.tiers.specs import tier_specs
 from kvreel.scheduler.chunks import DISK, HOST, Chunk, ChunkStore
 from kvreel.scheduler.events import TierEvents
 from kvreel.scheduler.eviction import policy_for
@@ -49,13 +50,11 @@ class KVReelScheduler:
         self.reqs: dict[str, RequestState] = {}
         self.workflows = WorkflowTracker() if cfg.eviction == "workflow" else None
         self.prefetch: Prefetcher | None = None
-        self.store = ChunkStore(cfg, self.stats, policy_for(self._steps if self.workflows is not None else None),
+        self.tiers = tier_specs(cfg, identity)
+        self.policy = policy_for(self._steps if self.workflows is not None else None)
+        self.store = ChunkStore(self.stats, [s.scheduler_half(self.policy) for s in self.tiers.values() if s.local],
                                 TierEvents(block_size) if kv_events else None)
-        self.remote = None
-        if cfg.remote_url:
-            from kvreel.scheduler.remote_lookups import RemoteLookups
-            self.remote = RemoteLookups(cfg.remote_url, identity, cfg.remote_timeout_s,
-                                        cfg.remote_lookup_wait_ms / 1000)
+        self.remote = self.tiers[Tier.REMOTE].scheduler_half() if Tier.REMOTE in self.tiers else None
         self.history = None
         if cfg.retrieval != "off":
             from kvreel.scheduler.history_plan import HistoryPlanner
@@ -212,8 +211,8 @@ class KVReelScheduler:
                 if tier in self.store.budgets:
                     logger.error("kvreel: %s tier off on a worker: %s", tier.value, why)
                     self.store.turn_off(tier)
-            if DISK in meta.tiers_back and self.cfg.disk_dir and DISK not in self.store.budgets:
-                self.store.turn_on(DISK, self.cfg.disk_bytes)
+            if DISK in meta.tiers_back and DISK in self.tiers and DISK not in self.store.budgets:
+                self.store.turn_on(self.tiers[DISK].scheduler_half(self.policy))
                 self._adopt_disk_chunks()
                 logger.warning("kvreel: disk tier back on (%d chunk files adopted)", len(self.store.budgets[DISK].lru))
             for tier, keys in meta.failed_writes.items():

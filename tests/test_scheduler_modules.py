@@ -12,6 +12,7 @@ from kvreel.scheduler.loads import LoadPlanner
 from kvreel.scheduler.requests import RequestState
 from kvreel.scheduler.saves import SavePlanner
 from kvreel.connector.stats import KVReelStats
+from kvreel.connector.tiers.specs import tier_specs
 from kvreel.connector.vllm_internals import NULL_BLOCK
 
 BS, BLOCK_BYTES = 32, 1024
@@ -26,7 +27,8 @@ def store(tmp_path, host_chunks: int = 3, disk: bool = True) -> ChunkStore:
     env = {"KVREEL_CPU_BYTES": str(host_chunks * 2 * BLOCK_BYTES), "KVREEL_CHUNK_TOKENS": str(2 * BS)}
     if disk:
         env |= {"KVREEL_DISK_DIR": str(tmp_path), "KVREEL_DISK_BYTES": "1MiB"}
-    return ChunkStore(KVReelConfig.load(env=env), KVReelStats())
+    specs = tier_specs(KVReelConfig.load(env=env), "model-x")
+    return ChunkStore(KVReelStats(), [spec.scheduler_half() for spec in specs.values()])
 
 
 def request(i: int, blocks: int, prompt: int | None = None):
@@ -69,9 +71,9 @@ def test_the_store_indexes_evicts_and_forgets(tmp_path):
     assert stores == [] and evictions[DISK] == [chunks[1].key] and s.evictions == {}
     s.turn_off(DISK)                                          # a worker could not write: copies gone, no deletes
     assert DISK not in s.budgets and not s.indexed(chunks[0]) and s.evictions == {}
-    s.turn_on(DISK, 10 * chunks[0].nbytes)                      # it takes writes again: an empty budget
+    s.turn_on(TierBudget(DISK, 10 * chunks[0].nbytes))          # it takes writes again: an empty budget
     assert s.budgets[DISK].used == 0 and s.admit(chunks[2], DISK) and chunks[2].tiers == {HOST, DISK}
-    s.turn_on(DISK, 1)                                         # already on: kept as it is
+    s.turn_on(TierBudget(DISK, 1))                              # already on: kept as it is
     assert s.budgets[DISK].used == chunks[2].nbytes
     chunks[2].pins = 1
     s.reset()

@@ -4,8 +4,10 @@ worker halves.
 Every tier stores whole chunks (a payload ``[regions, blocks, block_bytes]``
 of paged KV, keyed by the digest of its block hashes) behind the same
 interface, ``ChunkTier``; the worker drives every tier through that interface
-alone, so a new tier (an object store, a peer engine) is one file here. Each
-tier's scheduler half decides what it holds, in ``kvreel.scheduler``:
+alone. Each tier's scheduler half decides what it holds, in
+``kvreel.scheduler``; ``specs.TierSpec`` pairs the two halves of each tier, so
+a new tier (an object store, a peer engine) is a spec, a worker half here and a
+scheduler half there:
 
     tier    worker half (here)                                  scheduler half
     host    memory of the worker process (pinned on CUDA)       chunks.TierBudget + an eviction policy

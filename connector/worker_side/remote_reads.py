@@ -1,5 +1,5 @@
-"""The worker's reads from the remote tier: its start (the tier, the fetch
-controller, the decode profile) and where fetched chunks are delivered (a
+"""The worker's reads from the remote tier: the fetch controller's start (and
+the decode profile) and where fetched chunks are delivered (a
 request's blocks, or a whole chunk for a prefetch)."""
 
 from __future__ import annotations
@@ -17,21 +17,13 @@ from kvreel.connector.worker_side.block_copy import PagedRegions
 from kvreel.connector.worker_side.reports import WorkerReports
 
 
-def start_remote(cfg: KVReelConfig, identity: str, rank: int, pages: PagedRegions, kv_cache_config):
-    """The remote tier of this rank and the fetch controller that reads it; the
-    decode profile of each stored form is measured on a thread meanwhile."""
-    from kvreel.codec.forms import KVView, StoredForms
-    from kvreel.connector.tiers.remote import RemoteTier
+def start_fetcher(cfg: KVReelConfig, remote, pages: PagedRegions, kv_cache_config):
+    """The fetch controller that reads ``remote`` (this rank's ``RemoteTier``);
+    the decode profile of each stored form is measured on a thread meanwhile."""
     from kvreel.connector.worker_side.fetch.decode_profile import DecodeProfile, synthetic_payload
     from kvreel.connector.worker_side.fetch.controller import FetchController
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    kv_view = KVView(pages.block_bytes, spec) if "video" in cfg.remote_forms else None
-    # each rank holds its own shard of the KV: one namespace per rank
-    ident = identity if rank == 0 else f"{identity}-r{rank}"
-    forms = StoredForms(ident, kinds=cfg.remote_forms, quant=cfg.remote_quant,
-                        resolutions=cfg.remote_resolutions, kv_view=kv_view)
-    forms.device = pages.device
-    remote = RemoteTier(cfg.remote_url, forms, cfg.remote_timeout_s, cfg.remote_write_queue)
+    forms = remote.forms
     chunk_shape = (len(pages.regions), max(1, cfg.chunk_tokens // spec.block_size), pages.block_bytes)
     device = torch.cuda.get_device_name(pages.device) if pages.is_cuda else f"cpu{os.cpu_count()}"
     profile = DecodeProfile(f"{device}|{'x'.join(map(str, chunk_shape))}|{cfg.remote_quant}")
@@ -41,7 +33,7 @@ def start_remote(cfg: KVReelConfig, identity: str, rank: int, pages: PagedRegion
     payload = synthetic_payload(torch.Size(chunk_shape))
     threading.Thread(target=profile.measure, name="kvreel-decode-profile", daemon=True, args=(
         forms.names(), lambda: forms.encode([bytes(32)] * chunk_shape[1], payload), forms.decode)).start()
-    return remote, fetcher
+    return fetcher
 
 
 class RemoteRestore:

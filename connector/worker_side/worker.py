@@ -15,10 +15,9 @@ from kvreel.connector.config import KVReelConfig
 from kvreel.connector.metadata import HistoryPiece, KVReelMetadata, KVReelWorkerMeta, LoadOp, LoadPiece
 from kvreel.connector.stats import KVReelStats
 from kvreel.connector.tiers import ChunkTier, Tier
-from kvreel.connector.tiers.disk import DiskTier
-from kvreel.connector.tiers.host import HostTier
+from kvreel.connector.tiers.specs import tier_specs
 from kvreel.connector.worker_side.block_copy import PagedRegions
-from kvreel.connector.worker_side.remote_reads import RemoteRestore, WholeChunk
+from kvreel.connector.worker_side.remote_reads import RemoteRestore, WholeChunk, start_fetcher
 from kvreel.connector.worker_side.reports import WorkerReports
 from kvreel.connector.worker_side.saves import PageSaver
 
@@ -32,8 +31,9 @@ class KVReelWorker:
         self.description = description     # what the identity digest stands for (model, dtypes, layout)
         self.rank = rank
         self.pages: PagedRegions | None = None
-        self.every_tier: dict[Tier, ChunkTier] = {Tier.HOST: HostTier()}
-        self.tiers: dict[Tier, ChunkTier] = dict(self.every_tier)     # those on (a full disk goes off a while)
+        self.specs = tier_specs(cfg, identity)
+        self.every_tier: dict[Tier, ChunkTier] = {}         # each tier's worker half, built with the pages
+        self.tiers: dict[Tier, ChunkTier] = {}              # those on (a full disk goes off a while)
         self.fetcher = None
         # async loads mostly wait on the disk or the fetch controller: one thread per parked request
         self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvreel-load")
@@ -63,13 +63,10 @@ class KVReelWorker:
                 raise RuntimeError("kvreel: KVREEL_RETRIEVAL needs one KV cache tensor per layer "
                                    f"(this engine packs {self.retrieval.num_layers} layers into "
                                    f"{len(self.pages.regions)} regions)")
-        if self.cfg.disk_dir:
-            self.add_tier(DiskTier(self.cfg.disk_dir, self.identity, self.rank, self.cfg.disk_write_queue,
-                                    description=self.description))
-        if self.cfg.remote_url:
-            from kvreel.connector.worker_side.remote_reads import start_remote
-            remote, self.fetcher = start_remote(self.cfg, self.identity, self.rank, self.pages, kv_cache_config)
-            self.add_tier(remote)
+        for spec in self.specs.values():
+            self.add_tier(spec.worker_half(self.rank, self.pages, kv_cache_config, self.description))
+        if Tier.REMOTE in self.tiers:
+            self.fetcher = start_fetcher(self.cfg, self.tiers[Tier.REMOTE], self.pages, kv_cache_config)
 
     # -- loads ---------------------------------------------------------------
     def bind(self, meta: KVReelMetadata) -> None:
